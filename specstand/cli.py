@@ -1,0 +1,166 @@
+"""The `specstand` command line. Every failure ends in one readable line and a non-zero exit code."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+from specstand.drafters import METHODS
+from specstand.engine import GenerationResult
+
+
+class CliError(Exception):
+    """A user-facing error: printed as one line, exit code 2."""
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> None:  # one line instead of usage + message
+        raise CliError(message)
+
+
+def _log(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog="specstand", description="Lossless speculative decoding for LLM agents.")
+    commands = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+
+    models = commands.add_parser("models", help="list or fetch the model presets")
+    models_cmd = models.add_subparsers(dest="models_command", required=True, parser_class=_Parser)
+    models_cmd.add_parser("list", help="show the presets and whether they are cached")
+    fetch = models_cmd.add_parser("fetch", help="download and convert a preset once")
+    fetch.add_argument("name")
+
+    gen = commands.add_parser("generate", help="decode one prompt and print the answer and its stats")
+    gen.add_argument("--model", default="smollm2-135m", help="preset name, model folder or hub id")
+    gen.add_argument("--method", default="none", help=f"one of {', '.join(METHODS)}")
+    gen.add_argument("--k", type=int, default=5, help="most draft tokens verified per pass")
+    gen.add_argument("--temperature", type=float, default=0.0)
+    gen.add_argument("--top-p", type=float, default=1.0)
+    gen.add_argument("--top-k", type=int, default=0)
+    gen.add_argument("--seed", type=int, default=None)
+    gen.add_argument("--max-tokens", type=int, default=256)
+    gen.add_argument("--dtype", default="bf16", choices=["bf16", "fp32"])
+    gen.add_argument("--max-seq-len", type=int, default=2048, help="context (cache capacity) per request")
+    source = gen.add_mutually_exclusive_group(required=True)
+    source.add_argument("--prompt", help="plain text prompt (no chat template)")
+    source.add_argument("--messages-file", type=Path, help="OpenAI chat messages JSON; chat template applied")
+    gen.add_argument("--json", action="store_true", help="print one JSON object")
+    return parser
+
+
+def read_messages(path: Path) -> list[dict]:
+    try:
+        data = json.loads(path.read_text())
+    except OSError as error:
+        raise CliError(f"cannot read messages file {path}: {error.strerror}") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as error:
+        raise CliError(f"messages file {path} is not valid JSON: {error}") from None
+    if isinstance(data, dict):
+        data = data.get("messages")
+    if not isinstance(data, list) or not data:
+        raise CliError(f"messages file {path} must hold a non-empty list of messages")
+    for i, message in enumerate(data):
+        if not (isinstance(message, dict) and isinstance(message.get("role"), str)
+                and isinstance(message.get("content"), str)):
+            raise CliError(f"messages file {path}: message {i} needs string 'role' and 'content'")
+    return data
+
+
+def cmd_models(args: argparse.Namespace) -> None:
+    from specstand.models.presets import PRESETS, fetch, is_fetched, preset_dir
+
+    if args.models_command == "list":
+        for name in PRESETS:
+            state = f"cached in {preset_dir(name)}" if is_fetched(name) else "not fetched"
+            print(f"{name:24s} {state}")
+        return
+    if args.name not in PRESETS:
+        raise CliError(f"unknown model preset {args.name!r} (presets: {', '.join(PRESETS)})")
+    print(fetch(args.name, log=_log))
+
+
+def cmd_generate(args: argparse.Namespace) -> None:
+    from specstand.drafters import make_drafter
+    from specstand.engine import Engine, EngineConfig, Request
+    from specstand.models import load_model
+    from specstand.verification import SamplingParams
+
+    if args.method not in METHODS:
+        raise CliError(f"unknown method {args.method!r} (choose from {', '.join(METHODS)})")
+    if args.k < 0:
+        raise CliError("--k must be >= 0")
+    if args.max_tokens <= 0:
+        raise CliError("--max-tokens must be > 0")
+    if args.prompt is not None and not args.prompt.strip():
+        raise CliError("the prompt is empty")
+    messages = read_messages(args.messages_file) if args.messages_file else None
+    sampling = SamplingParams(args.temperature, args.top_p, args.top_k, args.seed)
+
+    model = load_model(args.model, args.dtype, args.max_seq_len, log=_log)
+    prompt_ids = model.encode_messages(messages) if messages else model.encode_prompt(args.prompt)
+    config = EngineConfig(num_speculative_tokens=args.k, max_seq_len=model.max_positions)
+    engine = Engine(model.decoder, make_drafter(args.method), config)
+    request = Request(prompt_ids, args.max_tokens, sampling, model.stop_token_ids)
+    engine.add_request(request)  # validates the length before any work
+    started = time.perf_counter()
+    result = _run_one(engine)
+    elapsed = time.perf_counter() - started
+    output = {
+        "model": args.model,
+        "method": args.method,
+        "k": args.k,
+        "text": model.decode(result.output_ids),
+        "token_ids": result.output_ids,
+        "prompt_tokens": len(prompt_ids),
+        "finish_reason": result.finish_reason,
+        "elapsed_s": round(elapsed, 4),
+        "tokens_per_second": round(len(result.output_ids) / elapsed, 2),
+        "stats": result.stats.to_dict(),
+    }
+    if args.json:
+        print(json.dumps(output))
+        return
+    print(output["text"])
+    stats = result.stats
+    _log(
+        f"[{args.method}] {len(result.output_ids)} tokens in {elapsed:.2f}s ({output['tokens_per_second']} tok/s), "
+        f"tau {stats.tau:.2f} over all {stats.target_passes} passes "
+        f"(vLLM-style 1+accepted/drafts: {stats.tau_per_draft:.2f} over {stats.passes_with_draft} drafted passes)"
+    )
+
+
+def _run_one(engine) -> GenerationResult:
+    """Step the engine until its one request finishes."""
+    while True:
+        for event in engine.step():
+            if event.finished is not None:
+                return event.finished
+
+
+COMMANDS = {"models": cmd_models, "generate": cmd_generate}
+
+
+def main(argv: list[str] | None = None) -> int:
+    try:
+        args = build_parser().parse_args(argv)
+        COMMANDS[args.command](args)
+    except CliError as error:
+        print(f"specstand: error: {error}", file=sys.stderr)
+        return 2
+    except (ValueError, RuntimeError, OSError) as error:
+        message = str(error).splitlines()[0] if str(error) else type(error).__name__
+        print(f"specstand: error: {message}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("specstand: interrupted", file=sys.stderr)
+        return 130
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,50 @@
+"""The one small interface every drafter implements.
+
+The engine owns the sequences and calls, in order: `begin` when a request is admitted, then per step
+`propose` (up to k tokens, optionally with their draft distributions) and `extend` with the tokens the
+target emitted, and `end` when the request finishes. Drafters never call back into the engine.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class SequenceView:
+    """What a drafter may read of a request."""
+
+    request_id: int
+    token_ids: list[int]  # prompt + every emitted token (the last one not yet in the target cache)
+    prompt_len: int
+
+    @property
+    def output_ids(self) -> list[int]:
+        return self.token_ids[self.prompt_len :]
+
+
+@dataclass
+class Draft:
+    tokens: list[int]
+    probs: torch.Tensor | None = None  # [len(tokens), vocab]; None means one-hot (no probabilities)
+
+
+class Drafter(ABC):
+    name: str = ""
+    tap_layers: tuple[int, ...] = ()  # target hidden states this drafter needs (HF numbering)
+
+    def begin(self, seq: SequenceView) -> None:  # noqa: B027 - optional hook
+        """A request was admitted."""
+
+    @abstractmethod
+    def propose(self, seq: SequenceView, max_tokens: int) -> Draft:
+        """Up to `max_tokens` guessed tokens following `seq.token_ids`."""
+
+    def extend(self, seq: SequenceView, new_tokens: list[int]) -> None:  # noqa: B027 - optional hook
+        """`new_tokens` were appended to `seq.token_ids` (accepted draft + target token)."""
+
+    def end(self, seq: SequenceView) -> None:  # noqa: B027 - optional hook
+        """The request finished; `seq.output_ids` is its answer."""

@@ -1,0 +1,143 @@
+"""SuffixDecoding: drafts from suffix trees of the current request and of recent finished answers.
+
+A tree stores every window tokens[i : i + depth] of the sequences added to it; a node's count is how
+often its path occurred. To draft, the context's last m tokens are matched (m = 1, 2, ... while a match
+exists), and a draft grows from the matched node along the most frequent child while the path
+probability (product of child/parent count ratios) stays >= min_token_prob. Each candidate is scored by
+the sum of its path probabilities (its expected accepted length); the best over all m and over the
+request's own tree and the global tree wins. Written here: arctic-inference needs vLLM and a compiled
+extension, this is plain Python with the same rules.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+from specstand.drafters.base import Draft, Drafter, SequenceView
+
+
+class _Node:
+    __slots__ = ("count", "children")
+
+    def __init__(self) -> None:
+        self.count = 0
+        self.children: dict[int, _Node] = {}
+
+
+class SuffixTree:
+    def __init__(self, max_depth: int) -> None:
+        self.max_depth = max_depth
+        self.root = _Node()
+        self._open: list[_Node] = []  # deepest nodes of the windows still growing (appending mode)
+
+    def append(self, token: int) -> None:
+        """Extend the one sequence this tree indexes by a token (every window ending here grows)."""
+        grown = []
+        for node in self._open + [self.root]:
+            child = node.children.get(token)
+            if child is None:
+                child = node.children[token] = _Node()
+            child.count += 1
+            grown.append(child)
+        # a window that reached max_depth stops growing; windows are ordered oldest first
+        self._open = grown[1:] if len(grown) >= self.max_depth else grown
+
+    def add(self, tokens: list[int], delta: int = 1) -> None:
+        """Add (delta=1) or remove (delta=-1) every window of an independent sequence."""
+        for i in range(len(tokens)):
+            node = self.root
+            for token in tokens[i : i + self.max_depth]:
+                child = node.children.get(token)
+                if child is None:
+                    child = node.children[token] = _Node()
+                child.count += delta
+                if child.count == 0:
+                    del node.children[token]
+                    break
+                node = child
+
+    def best_draft(
+        self, context: list[int], max_tokens: int, min_prob: float, max_spec_factor: float = 1.0
+    ) -> tuple[list[int], float]:
+        """The best-scoring draft over all match lengths m; a match of m tokens drafts at most
+        m * max_spec_factor tokens (short matches are weak evidence)."""
+        best: tuple[list[int], float] = ([], 0.0)
+        for m in range(1, min(len(context), self.max_depth - 1) + 1):
+            node = self._walk(context[-m:])
+            if node is None:
+                break  # a longer suffix contains this one, so it cannot match either
+            draft, score = self._grow(node, min(max_tokens, int(m * max_spec_factor)), min_prob)
+            if score > best[1]:
+                best = (draft, score)
+        return best
+
+    def _walk(self, tokens: list[int]) -> _Node | None:
+        node = self.root
+        for token in tokens:
+            node = node.children.get(token)
+            if node is None:
+                return None
+        return node
+
+    @staticmethod
+    def _grow(node: _Node, max_tokens: int, min_prob: float) -> tuple[list[int], float]:
+        draft: list[int] = []
+        prob, score = 1.0, 0.0
+        while len(draft) < max_tokens and node.children:
+            token, child = max(node.children.items(), key=lambda item: item[1].count)
+            prob *= child.count / node.count
+            if prob < min_prob:
+                break
+            draft.append(token)
+            score += prob
+            node = child
+        return draft, score
+
+
+@dataclass(frozen=True)
+class SuffixConfig:
+    max_depth: int = 24
+    min_token_prob: float = 0.1
+    max_spec_factor: float = 1.0
+    max_cached_responses: int = 10_000
+
+
+class SuffixDrafter(Drafter):
+    name = "suffix"
+
+    def __init__(self, config: SuffixConfig | None = None) -> None:
+        self.config = config or SuffixConfig()
+        self.global_tree = SuffixTree(self.config.max_depth)
+        self._responses: deque[list[int]] = deque()
+        self._local: dict[int, SuffixTree] = {}
+
+    def begin(self, seq: SequenceView) -> None:
+        tree = SuffixTree(self.config.max_depth)
+        for token in seq.token_ids:
+            tree.append(token)
+        self._local[seq.request_id] = tree
+
+    def propose(self, seq: SequenceView, max_tokens: int) -> Draft:
+        if max_tokens <= 0:
+            return Draft([])
+        context = seq.token_ids[-self.config.max_depth :]
+        cfg = self.config
+        local = self._local[seq.request_id].best_draft(context, max_tokens, cfg.min_token_prob, cfg.max_spec_factor)
+        shared = self.global_tree.best_draft(context, max_tokens, cfg.min_token_prob, cfg.max_spec_factor)
+        return Draft(max(local, shared, key=lambda candidate: candidate[1])[0])
+
+    def extend(self, seq: SequenceView, new_tokens: list[int]) -> None:
+        tree = self._local[seq.request_id]
+        for token in new_tokens:
+            tree.append(token)
+
+    def end(self, seq: SequenceView) -> None:
+        self._local.pop(seq.request_id, None)
+        response = seq.output_ids
+        if not response or self.config.max_cached_responses <= 0:
+            return
+        self.global_tree.add(response)
+        self._responses.append(response)
+        if len(self._responses) > self.config.max_cached_responses:
+            self.global_tree.add(self._responses.popleft(), delta=-1)

@@ -1,0 +1,7 @@
+"""Engine and scheduler: request -> drafter proposes -> target verifies -> accept/rollback -> stats."""
+
+from specstand.engine.engine import Engine, EngineConfig, ExactnessError
+from specstand.engine.request import GenerationResult, Request, StepEvent
+from specstand.engine.stats import DecodeStats
+
+__all__ = ["DecodeStats", "Engine", "EngineConfig", "ExactnessError", "GenerationResult", "Request", "StepEvent"]

@@ -1,0 +1,186 @@
+"""The engine: admits requests, asks the drafter, verifies with one target pass, rolls back, counts.
+
+One step = every running request proposes a draft (its own length), all of them go through ONE target
+pass, each is verified on its own rows, its cache rolls back to what was accepted, stats are recorded.
+Invariant between steps: a running request's cache holds every token but the last emitted one, which
+is the first row of its next pass.
+"""
+
+from __future__ import annotations
+
+import random
+from collections import deque
+from dataclasses import dataclass
+
+import torch
+
+from specstand.drafters import Draft, Drafter, SequenceView
+from specstand.engine.request import GenerationResult, Request, StepEvent
+from specstand.engine.stats import DecodeStats
+from specstand.runner import PassInput, TargetRunner
+from specstand.runner.exactness import row_unit
+from specstand.runner.transformer import DecoderModel
+from specstand.verification import Verdict, target_probs, verify_greedy, verify_sampled
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    num_speculative_tokens: int = 5  # K: the most draft tokens verified per pass
+    max_seq_len: int = 2048  # cache capacity of one request: prompt + answer + K + 1
+    max_batch: int = 1  # requests decoded together (cache slots)
+    exact: bool = True  # fix pass shapes so greedy output cannot depend on draft lengths
+
+    def __post_init__(self) -> None:
+        if self.num_speculative_tokens < 0:
+            raise ValueError("the number of speculative tokens (K) must be >= 0")
+        if self.max_batch < 1:
+            raise ValueError("max_batch must be >= 1")
+
+
+class ExactnessError(RuntimeError):
+    pass
+
+
+@dataclass
+class _Running:
+    request: Request
+    seq: SequenceView
+    slot: int
+    generator: torch.Generator
+    stats: DecodeStats
+
+    @property
+    def emitted(self) -> int:
+        return len(self.seq.token_ids) - self.seq.prompt_len
+
+
+class Engine:
+    def __init__(self, model: DecoderModel, drafter: Drafter | None, config: EngineConfig) -> None:
+        self.config = config
+        self.drafter = drafter
+        self.runner = TargetRunner(model, config.max_batch, config.max_seq_len)
+        self.width = config.num_speculative_tokens + 1
+        self.row_unit = row_unit(self.runner, self.width) if config.exact else 1
+        if self.row_unit == 0:
+            raise ExactnessError(
+                "this machine's kernels round differently for different pass shapes even when padded; "
+                "exact greedy decoding is not possible here (run without exact mode)"
+            )
+        self._waiting: deque[tuple[int, Request]] = deque()
+        self._running: dict[int, _Running] = {}
+        self._next_id = 0
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self._waiting or self._running)
+
+    def add_request(self, request: Request) -> int:
+        needed = len(request.prompt_ids) + request.max_tokens + max(self.width, self.row_unit) - 1
+        if needed > self.runner.capacity:
+            raise ValueError(
+                f"prompt ({len(request.prompt_ids)} tokens) + max_tokens ({request.max_tokens}) exceed the "
+                f"context of {self.runner.capacity} tokens"
+            )
+        request_id = self._next_id
+        self._next_id += 1
+        self._waiting.append((request_id, request))
+        return request_id
+
+    def abort(self, request_id: int) -> None:
+        self._waiting = deque(item for item in self._waiting if item[0] != request_id)
+        state = self._running.pop(request_id, None)
+        if state is not None:
+            self._release(state)
+
+    def generate(self, requests: list[Request]) -> list[GenerationResult]:
+        ids = [self.add_request(r) for r in requests]
+        results: dict[int, GenerationResult] = {}
+        while self.has_work:
+            for event in self.step():
+                if event.finished is not None:
+                    results[event.request_id] = event.finished
+        return [results[i] for i in ids]
+
+    def step(self) -> list[StepEvent]:
+        events = self._admit()
+        running = list(self._running.items())
+        if not running:
+            return events
+        drafts = [self._propose(state) for _, state in running]
+        rows = max(1 + len(d.tokens) for d in drafts)
+        width = -(-rows // self.row_unit) * self.row_unit  # row_unit is 1 or >= self.width
+        outputs = self.runner.run(
+            [PassInput(s.slot, [s.seq.token_ids[-1], *d.tokens]) for (_, s), d in zip(running, drafts, strict=True)],
+            width,
+        )
+        for (request_id, state), draft, output in zip(running, drafts, outputs, strict=True):
+            verdict = self._verify(state, draft, output.logits)
+            cache_len = len(state.seq.token_ids) + verdict.accepted  # pending token + accepted drafts
+            self.runner.cache.rollback(state.slot, cache_len)
+            events.append(self._emit(request_id, state, verdict, drafted=len(draft.tokens)))
+        return events
+
+    def _admit(self) -> list[StepEvent]:
+        events = []
+        while self._waiting and self.runner.cache.free_slots:
+            request_id, request = self._waiting.popleft()
+            slot = self.runner.cache.allocate()
+            seed = request.sampling.seed if request.sampling.seed is not None else random.getrandbits(63)
+            state = _Running(
+                request=request,
+                seq=SequenceView(request_id, list(request.prompt_ids), len(request.prompt_ids)),
+                slot=slot,
+                generator=torch.Generator().manual_seed(seed),
+                stats=DecodeStats(),
+            )
+            self._running[request_id] = state
+            if self.drafter is not None:
+                self.drafter.begin(state.seq)
+            logits = self.runner.prefill(slot, request.prompt_ids).logits
+            events.append(self._emit(request_id, state, self._verify(state, Draft([]), logits), drafted=0))
+        return events
+
+    def _propose(self, state: _Running) -> Draft:
+        # never draft past max_tokens: the pass emits accepted drafts + 1 target token
+        budget = min(self.config.num_speculative_tokens, state.request.max_tokens - state.emitted - 1)
+        if self.drafter is None or budget <= 0:
+            return Draft([])
+        draft = self.drafter.propose(state.seq, budget)
+        if len(draft.tokens) > budget:
+            return Draft(draft.tokens[:budget], None if draft.probs is None else draft.probs[:budget])
+        return draft
+
+    @staticmethod
+    def _verify(state: _Running, draft: Draft, logits: torch.Tensor) -> Verdict:
+        params = state.request.sampling
+        if params.greedy:
+            return verify_greedy(draft.tokens, logits)
+        return verify_sampled(draft.tokens, draft.probs, target_probs(logits, params), state.generator)
+
+    def _emit(self, request_id: int, state: _Running, verdict: Verdict, drafted: int) -> StepEvent:
+        request = state.request
+        tokens = verdict.tokens[: request.max_tokens - state.emitted]
+        stop_at = next((i for i, t in enumerate(tokens) if t in request.stop_token_ids), None)
+        if stop_at is not None:
+            tokens = tokens[: stop_at + 1]
+        state.stats.record_pass(drafted, verdict.accepted, len(tokens))
+        state.seq.token_ids.extend(tokens)
+        if self.drafter is not None:
+            self.drafter.extend(state.seq, tokens)
+        if stop_at is None and state.emitted < request.max_tokens:
+            return StepEvent(request_id, tokens)
+        del self._running[request_id]
+        self._release(state)
+        result = GenerationResult(
+            request_id=request_id,
+            prompt_ids=list(request.prompt_ids),
+            output_ids=state.seq.output_ids,
+            finish_reason="stop" if stop_at is not None else "length",
+            stats=state.stats,
+        )
+        return StepEvent(request_id, tokens, result)
+
+    def _release(self, state: _Running) -> None:
+        self.runner.cache.release(state.slot)
+        if self.drafter is not None:
+            self.drafter.end(state.seq)

@@ -1,0 +1,75 @@
+"""Resolve `--model` (preset name, local folder or hub id) into a runnable target + tokenizer."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from specstand.models.presets import PRESETS, fetch
+from specstand.runner.transformer import DecoderModel
+
+DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
+
+
+class ModelError(ValueError):
+    pass
+
+
+@dataclass
+class LoadedModel:
+    name: str
+    path: str
+    decoder: DecoderModel
+    tokenizer: object  # a transformers tokenizer
+    stop_token_ids: frozenset[int]
+    max_positions: int
+
+    def encode_prompt(self, prompt: str) -> list[int]:
+        return self.tokenizer(prompt, add_special_tokens=True)["input_ids"]
+
+    def encode_messages(self, messages: list[dict]) -> list[int]:
+        if not getattr(self.tokenizer, "chat_template", None):
+            raise ModelError(f"model {self.name} has no chat template; pass a plain prompt")
+        text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        return self.tokenizer(text, add_special_tokens=False)["input_ids"]
+
+    def decode(self, token_ids: list[int]) -> str:
+        return self.tokenizer.decode(token_ids, skip_special_tokens=True)
+
+
+def resolve_model_path(model: str, log=print) -> str:
+    if model in PRESETS:
+        return str(fetch(model, log=log))
+    if Path(model).is_dir():
+        if not (Path(model) / "config.json").is_file():
+            raise ModelError(f"{model} is a folder without config.json, not a Hugging Face model")
+        return model
+    if "/" in model and not Path(model).exists():
+        return model  # a hub id: transformers fetches it where a hub is reachable
+    raise ModelError(f"unknown model {model!r}: not a preset ({', '.join(PRESETS)}), a model folder or a hub id")
+
+
+def load_model(model: str, dtype: str = "bf16", max_seq_len: int = 2048, log=print) -> LoadedModel:
+    from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()  # our commands print their own progress, one line each
+    if dtype not in DTYPES:
+        raise ModelError(f"unknown dtype {dtype!r} (choose from {', '.join(DTYPES)})")
+    path = resolve_model_path(model, log=log)
+    try:
+        hf_model = AutoModelForCausalLM.from_pretrained(path, dtype=DTYPES[dtype]).eval()
+        tokenizer = AutoTokenizer.from_pretrained(path)
+    except OSError as error:
+        raise ModelError(f"cannot load model {model!r}: {str(error).splitlines()[0]}") from None
+    max_positions = min(max_seq_len, getattr(hf_model.config, "max_position_embeddings", max_seq_len))
+    decoder = DecoderModel(hf_model, max_positions)
+    stop_ids = {tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set()
+    try:
+        eos = GenerationConfig.from_pretrained(path).eos_token_id
+        stop_ids |= set(eos if isinstance(eos, list) else [eos]) - {None}
+    except OSError:
+        pass  # no generation_config.json
+    return LoadedModel(model, path, decoder, tokenizer, frozenset(stop_ids), max_positions)

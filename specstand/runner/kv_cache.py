@@ -1,0 +1,68 @@
+"""Static-capacity KV cache with per-slot lengths.
+
+Every slot owns `capacity` positions in every layer. A pass writes keys/values for the positions it
+computes; which of them are *valid* is only the slot's `length`. Rolling back a rejected draft is
+therefore O(1): set the length. Stale entries past the length are never read, because attention masks
+keys by position (key position <= query position) and a later pass overwrites them.
+
+The buffers start zeroed so that masked entries are finite: softmax gives them an exact 0 weight, and
+0 * finite = 0 keeps the result bit-identical whatever was written there before.
+
+Recurrent layers (linear attention, hybrid models) cannot be rolled back by a length alone: their state
+after position t must be snapshotted per draft position and restored on rejection. The engine only talks
+to `rollback(slot, length)`, so such a cache can implement it with snapshots without touching callers.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+class KVCache:
+    def __init__(
+        self,
+        num_layers: int,
+        num_slots: int,
+        num_kv_heads: int,
+        capacity: int,
+        head_dim: int,
+    ) -> None:
+        shape = (num_layers, num_slots, num_kv_heads, capacity, head_dim)
+        # fp32 whatever the model dtype: exact copies of bf16 values, and fp32 GEMMs are far faster
+        # than bf16 ones on CPUs without native bf16 matrix units
+        self.keys = torch.zeros(shape)
+        self.values = torch.zeros(shape)
+        self.capacity = capacity
+        self.lengths = [0] * num_slots
+        self._free = list(range(num_slots - 1, -1, -1))
+
+    @property
+    def num_slots(self) -> int:
+        return len(self.lengths)
+
+    @property
+    def free_slots(self) -> int:
+        return len(self._free)
+
+    def allocate(self) -> int:
+        if not self._free:
+            raise RuntimeError("no free KV cache slot")
+        slot = self._free.pop()
+        self.lengths[slot] = 0
+        return slot
+
+    def release(self, slot: int) -> None:
+        self.lengths[slot] = 0
+        self._free.append(slot)
+
+    def rollback(self, slot: int, length: int) -> None:
+        """Keep the first `length` positions of the slot; O(1)."""
+        if not 0 <= length <= self.capacity:
+            raise ValueError(f"invalid cache length {length}")
+        self.lengths[slot] = length
+
+    def copy_prefix(self, src: int, dst: int, length: int) -> None:
+        """Reuse the first `length` positions of slot `src` in slot `dst` (prefix caching)."""
+        self.keys[:, dst, :, :length] = self.keys[:, src, :, :length]
+        self.values[:, dst, :, :length] = self.values[:, src, :, :length]
+        self.lengths[dst] = length

@@ -1,0 +1,276 @@
+"""A Llama/Qwen-family decoder forward written directly on the Hugging Face weights (gpt-fast style).
+
+Why not call the transformers module: its attention (SDPA) rounds differently depending on how many
+query rows a pass holds, so a draft-verify pass and a one-token pass disagree in the last bits and greedy
+answers drift. Here every op is row-local (linears, RMSNorm, RoPE) and attention runs in fp32 with a
+reduction length and a row count that depend on the position alone, not on the pass (see `_attend`).
+Whether the machine's kernels really keep rows independent is checked at start-up (`exactness.py`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
+ATTENTION_BUCKET = 128  # a row at position p attends over roundup(p + 1, ATTENTION_BUCKET) cache positions
+ATTENTION_ROW_BLOCK = 8  # query rows are zero-padded to a multiple of this inside attention
+
+
+@dataclass
+class LayerWeights:
+    input_norm: torch.Tensor
+    qkv: torch.Tensor  # q, k, v projections stacked (q and k rows in interleaved-rope order)
+    qkv_bias: torch.Tensor | None
+    o_proj: torch.Tensor
+    q_norm: torch.Tensor | None  # Qwen3 normalises q and k per head
+    k_norm: torch.Tensor | None
+    post_attention_norm: torch.Tensor
+    gate_up: torch.Tensor  # gate and up projections stacked
+    down: torch.Tensor
+
+
+@dataclass
+class Weights:
+    embed_tokens: torch.Tensor
+    layers: list[LayerWeights]
+    final_norm: torch.Tensor
+    lm_head: torch.Tensor
+
+    def to(self, dtype: torch.dtype) -> Weights:
+        def cast(t: torch.Tensor | None) -> torch.Tensor | None:
+            return None if t is None else t.to(dtype)
+
+        layers = [LayerWeights(**{k: cast(v) for k, v in vars(layer).items()}) for layer in self.layers]
+        return Weights(cast(self.embed_tokens), layers, cast(self.final_norm), cast(self.lm_head))
+
+
+def has_fast_bf16_matmul() -> bool:
+    """True where the CPU has bf16 matrix instructions (AVX512-BF16 or AMX). Without them a bf16 GEMM
+    costs about one GEMV per row (measured on an AVX2 EPYC: 8 rows cost 7.5x one row, in fp32 2.1x)."""
+    try:
+        flags = open("/proc/cpuinfo").read()
+    except OSError:
+        return True  # not Linux: assume nothing and keep one copy of the weights
+    return "avx512_bf16" in flags or "amx_bf16" in flags
+
+
+@dataclass
+class ModelShape:
+    num_layers: int
+    hidden_size: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    vocab_size: int
+    rms_eps: float
+
+    @property
+    def q_size(self) -> int:
+        return self.num_heads * self.head_dim
+
+    @property
+    def kv_size(self) -> int:
+        return self.num_kv_heads * self.head_dim
+
+
+@dataclass
+class _AttentionRun:
+    """Consecutive rows of one request that attend over the same cache length."""
+
+    row: int
+    rows: int
+    length: int
+    bias: torch.Tensor  # [padded rows, length]: 0 where a key is visible, -inf where it is in the future
+
+
+class DecoderModel:
+    """Weights + forward of a decoder-only transformer; stateless apart from the cache it is handed."""
+
+    def __init__(self, hf_model: torch.nn.Module, max_positions: int, fp32_prefill: bool | None = None) -> None:
+        """`fp32_prefill`: compute prompts with an fp32 copy of bf16 weights (default: where the CPU lacks
+        bf16 matrix instructions). Prompts are computed the same way with or without a drafter, so this
+        changes speed, not exactness."""
+        arch = type(hf_model).__name__
+        if arch not in SUPPORTED_ARCHITECTURES:
+            raise ValueError(
+                f"architecture {arch} is not supported (supported: {', '.join(SUPPORTED_ARCHITECTURES)})"
+            )
+        cfg = hf_model.config
+        inner = hf_model.model
+        self.dtype = inner.embed_tokens.weight.dtype
+        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        self.shape = ModelShape(
+            num_layers=cfg.num_hidden_layers,
+            hidden_size=cfg.hidden_size,
+            num_heads=cfg.num_attention_heads,
+            num_kv_heads=cfg.num_key_value_heads,
+            head_dim=head_dim,
+            vocab_size=hf_model.lm_head.weight.shape[0],
+            rms_eps=cfg.rms_norm_eps,
+        )
+        self.max_positions = max_positions
+        self.weights = Weights(
+            embed_tokens=inner.embed_tokens.weight.detach(),
+            layers=[self._layer_weights(layer) for layer in inner.layers],
+            final_norm=inner.norm.weight.detach(),
+            lm_head=hf_model.lm_head.weight.detach(),
+        )
+        if fp32_prefill is None:
+            fp32_prefill = self.dtype == torch.bfloat16 and not has_fast_bf16_matmul()
+        self.prefill_weights = self.weights.to(torch.float32) if fp32_prefill else self.weights
+        self.rope = self._rope_table(inner.rotary_emb, max_positions)
+
+    def _interleave(self, weight: torch.Tensor | None, heads: int) -> torch.Tensor | None:
+        """Reorder each head's dims from HF's half-split rope layout to interleaved pairs, so RoPE is one
+        complex multiply. q and k get the same order, so their dot products are unchanged."""
+        if weight is None:
+            return None
+        d = self.shape.head_dim
+        order = torch.stack([torch.arange(d // 2), torch.arange(d // 2) + d // 2], dim=1).flatten()
+        order = (torch.arange(heads)[:, None] * d + order[None]).flatten()
+        return weight[order].detach()
+
+    def _layer_weights(self, layer: torch.nn.Module) -> LayerWeights:
+        attn, mlp = layer.self_attn, layer.mlp
+        s = self.shape
+        q_norm = getattr(attn, "q_norm", None)
+        k_norm = getattr(attn, "k_norm", None)
+        return LayerWeights(
+            input_norm=layer.input_layernorm.weight.detach(),
+            qkv=torch.cat([
+                self._interleave(attn.q_proj.weight, s.num_heads),
+                self._interleave(attn.k_proj.weight, s.num_kv_heads),
+                attn.v_proj.weight.detach(),
+            ]),
+            qkv_bias=None if attn.q_proj.bias is None else torch.cat([
+                self._interleave(attn.q_proj.bias, s.num_heads),
+                self._interleave(attn.k_proj.bias, s.num_kv_heads),
+                attn.v_proj.bias.detach(),
+            ]),
+            o_proj=attn.o_proj.weight.detach(),
+            q_norm=None if q_norm is None else self._interleave(q_norm.weight, 1),
+            k_norm=None if k_norm is None else self._interleave(k_norm.weight, 1),
+            post_attention_norm=layer.post_attention_layernorm.weight.detach(),
+            gate_up=torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]).detach(),
+            down=mlp.down_proj.weight.detach(),
+        )
+
+    def _rope_table(self, rotary_emb: torch.nn.Module, max_positions: int) -> torch.Tensor:
+        # The HF rotary module knows every rope variant (llama3, yarn, ...); sample it once, in fp32.
+        cos, sin = rotary_emb(torch.empty(1), torch.arange(max_positions)[None])
+        half = self.shape.head_dim // 2
+        return torch.complex(cos[0, :, :half].float(), sin[0, :, :half].float())  # [positions, D/2]
+
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        return F.rms_norm(x, (x.shape[-1],), weight, eps=self.shape.rms_eps)  # accumulates in fp32
+
+    def forward(
+        self,
+        tokens: torch.Tensor,
+        start_positions: list[int],
+        slots: list[int],
+        keys: torch.Tensor,
+        values: torch.Tensor,
+        tap_layers: tuple[int, ...] = (),
+        prefill: bool = False,
+    ) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
+        """Run `tokens` [B, T] at positions start..start+T-1 of each slot; write their K/V into the cache
+        (`keys`/`values` [layers, slots, kv heads, capacity, D], fp32).
+
+        Returns fp32 logits [B, T, V] (a prefill returns the last row's only, [B, 1, V]) and the hidden
+        states of `tap_layers` (HF numbering: 0 is the embedding output, i the output of layer i,
+        num_layers the final normed state before the head).
+        """
+        weights = self.prefill_weights if prefill else self.weights
+        s = self.shape
+        width = tokens.shape[1]
+        positions = torch.tensor(start_positions)[:, None] + torch.arange(width)[None]
+        if int(positions.max()) >= self.max_positions:
+            raise ValueError(f"position {int(positions.max())} is past the rope table ({self.max_positions})")
+        rope = self.rope[positions][:, :, None]  # [B, T, 1, D/2]
+        runs = [_attention_runs(start, width) for start in start_positions]
+        taps: dict[int, torch.Tensor] = {}
+        hidden = F.embedding(tokens, weights.embed_tokens)
+        if 0 in tap_layers:
+            taps[0] = hidden
+        for index, layer in enumerate(weights.layers):
+            attn_in = self.rms_norm(hidden, layer.input_norm)
+            hidden = hidden + self._attention(attn_in, layer, rope, slots, start_positions, runs,
+                                              keys[index], values[index])
+            gate, up = F.linear(self.rms_norm(hidden, layer.post_attention_norm), layer.gate_up).chunk(2, dim=-1)
+            hidden = hidden + F.linear(F.silu(gate) * up, layer.down)
+            if index + 1 in tap_layers and index + 1 != s.num_layers:
+                taps[index + 1] = hidden
+        hidden = self.rms_norm(hidden, weights.final_norm)
+        if s.num_layers in tap_layers:
+            taps[s.num_layers] = hidden
+        if prefill:
+            hidden = hidden[:, -1:]
+        return F.linear(hidden, weights.lm_head).float(), taps
+
+    def _attention(
+        self,
+        x: torch.Tensor,
+        layer: LayerWeights,
+        rope: torch.Tensor,
+        slots: list[int],
+        start_positions: list[int],
+        runs: list[list[_AttentionRun]],
+        keys: torch.Tensor,
+        values: torch.Tensor,
+    ) -> torch.Tensor:
+        s = self.shape
+        batch, width, _ = x.shape
+        qkv = F.linear(x, layer.qkv, layer.qkv_bias).view(batch, width, -1, s.head_dim)
+        qk, v = qkv.split([s.num_heads + s.num_kv_heads, s.num_kv_heads], dim=2)
+        if layer.q_norm is not None:
+            q, k = qk.split([s.num_heads, s.num_kv_heads], dim=2)
+            qk = torch.cat([self.rms_norm(q, layer.q_norm), self.rms_norm(k, layer.k_norm)], dim=2)
+        # RoPE on interleaved pairs (see _interleave) is one complex multiply, done in fp32
+        qk = torch.view_as_real(torch.view_as_complex(qk.float().unflatten(-1, (-1, 2))) * rope).flatten(-2)
+        q, k = qk.transpose(1, 2).split([s.num_heads, s.num_kv_heads], dim=1)  # [B, heads, T, D]
+        v = v.transpose(1, 2)
+        out = torch.empty(batch, s.num_heads, width, s.head_dim)
+        for b, (slot, start) in enumerate(zip(slots, start_positions, strict=True)):
+            keys[slot, :, start : start + width] = k[b]
+            values[slot, :, start : start + width] = v[b]
+            for run in runs[b]:
+                out[b, :, run.row : run.row + run.rows] = self._attend(
+                    q[b, :, run.row : run.row + run.rows], keys[slot], values[slot], run
+                )
+        return F.linear(out.to(x.dtype).transpose(1, 2).reshape(batch, width, s.q_size), layer.o_proj)
+
+    def _attend(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, run: _AttentionRun) -> torch.Tensor:
+        """fp32 attention of query rows q [H, rows, D] over the first run.length cache positions. Rows are
+        zero-padded to a multiple of ATTENTION_ROW_BLOCK: fp32 GEMMs round differently for small odd row
+        counts, and the padding makes a 1-token pass and a verify pass run the same GEMM shapes."""
+        padded = run.bias.shape[0]
+        if padded != run.rows:
+            q = F.pad(q, (0, 0, 0, padded - run.rows))
+        out = F.scaled_dot_product_attention(
+            q[None], keys[None, :, : run.length], values[None, :, : run.length], attn_mask=run.bias, enable_gqa=True
+        )
+        return out[0, :, : run.rows]
+
+def _attention_runs(start: int, width: int) -> list[_AttentionRun]:
+    """Split a request's rows into runs that attend over the same cache length.
+
+    A row at position p always attends over the first roundup(p + 1, ATTENTION_BUCKET) cache positions,
+    whatever pass it is in: the reduction length (which can change a GEMM's blocking, and so its
+    rounding) is a function of the position alone, and short contexts do not pay for the full capacity.
+    """
+    runs: list[_AttentionRun] = []
+    row = 0
+    while row < width:
+        length = (start + row) // ATTENTION_BUCKET * ATTENTION_BUCKET + ATTENTION_BUCKET
+        rows = min(width - row, length - (start + row))
+        padded = -(-rows // ATTENTION_ROW_BLOCK) * ATTENTION_ROW_BLOCK
+        # padding rows repeat the last real position, so they see valid keys only
+        query_positions = start + row + torch.arange(padded).clamp_max(rows - 1)
+        bias = torch.zeros(padded, length).masked_fill(torch.arange(length) > query_positions[:, None], float("-inf"))
+        runs.append(_AttentionRun(row, rows, length, bias))
+        row += rows
+    return runs

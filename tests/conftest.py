@@ -1,0 +1,74 @@
+"""Tiny random targets built from a config here, so tests need no download."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import (
+    LlamaConfig,
+    LlamaForCausalLM,
+    PreTrainedTokenizerFast,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+    Qwen3Config,
+    Qwen3ForCausalLM,
+)
+
+from specstand.runner.transformer import DecoderModel
+
+VOCAB = 96
+COMMON = dict(
+    vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+    num_key_value_heads=2, max_position_embeddings=1024, head_dim=16, eos_token_id=1, bos_token_id=0,
+)
+FAMILIES = {
+    "llama": (LlamaForCausalLM, lambda: LlamaConfig(**COMMON)),
+    "qwen2": (Qwen2ForCausalLM, lambda: Qwen2Config(**COMMON)),  # q/k/v biases
+    "qwen3": (Qwen3ForCausalLM, lambda: Qwen3Config(**COMMON)),  # q/k norms
+}
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+
+def tiny_hf_model(family: str, dtype: torch.dtype = torch.float32, seed: int = 0) -> torch.nn.Module:
+    cls, make_config = FAMILIES[family]
+    torch.manual_seed(seed)
+    model = cls(make_config()).eval()
+    if family == "qwen2":  # random init leaves biases at zero; make them matter
+        for layer in model.model.layers:
+            for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
+                torch.nn.init.normal_(proj.bias, std=0.5)
+    return model.to(dtype)
+
+
+def tiny_decoder(family: str, dtype: torch.dtype = torch.float32, max_positions: int = 512) -> DecoderModel:
+    return DecoderModel(tiny_hf_model(family, dtype), max_positions)
+
+
+def random_prompts(count: int, length: int, seed: int, alphabet: int = 12) -> list[list[int]]:
+    """Prompts over a small alphabet: repetitive enough that n-gram and suffix drafts get accepted."""
+    generator = torch.Generator().manual_seed(seed)
+    return [(torch.randint(2, 2 + alphabet, (length,), generator=generator)).tolist() for _ in range(count)]
+
+
+def save_tiny_model(folder: Path, family: str = "llama") -> Path:
+    """A loadable HF folder: tiny model + a word-level tokenizer with a chat template."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    model = tiny_hf_model(family)
+    model.save_pretrained(folder)
+    words = ["<s>", "</s>", "<unk>"] + [f"w{i}" for i in range(VOCAB - 3)]
+    tokenizer = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
+    tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
+    fast = PreTrainedTokenizerFast(tokenizer_object=tokenizer, bos_token="<s>", eos_token="</s>", unk_token="<unk>")
+    fast.chat_template = "{% for m in messages %}{{ m['content'] }} {% endfor %}"
+    fast.save_pretrained(folder)
+    (folder / "generation_config.json").write_text(json.dumps({"eos_token_id": 1, "bos_token_id": 0}))
+    return folder
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return save_tiny_model(tmp_path_factory.mktemp("tiny-llama"))

@@ -1,0 +1,70 @@
+from specstand.drafters import SequenceView, SuffixConfig
+from specstand.drafters.suffix import SuffixDrafter, SuffixTree
+
+
+def test_appending_tree_counts_every_window():
+    tree = SuffixTree(max_depth=3)
+    for token in [1, 2, 1, 2, 1]:
+        tree.append(token)
+    root = tree.root
+    assert root.children[1].count == 3 and root.children[2].count == 2
+    assert root.children[1].children[2].count == 2
+    assert root.children[1].children[2].children[1].count == 2
+    assert 2 not in root.children[1].children[2].children[1].children  # depth is capped at 3
+
+
+def test_add_and_remove_are_inverse():
+    tree = SuffixTree(max_depth=4)
+    tree.add([1, 2, 3, 4, 5])
+    tree.add([1, 2, 9])
+    tree.add([1, 2, 9], delta=-1)
+    reference = SuffixTree(max_depth=4)
+    reference.add([1, 2, 3, 4, 5])
+
+    def dump(node):
+        return {t: (c.count, dump(c)) for t, c in node.children.items()}
+
+    assert dump(tree.root) == dump(reference.root)
+
+
+def test_draft_follows_the_most_frequent_path_while_probable():
+    tree = SuffixTree(max_depth=8)
+    for seq in ([7, 1, 2, 3, 4], [7, 1, 2, 3, 4], [7, 1, 2, 3, 4], [7, 1, 2, 5, 6]):
+        tree.add(seq)
+    draft, score = tree.best_draft([9, 7, 1, 2], max_tokens=4, min_prob=0.5)
+    assert draft == [3, 4]  # after [7, 1, 2] the path 3 has probability 3/4, then 4 keeps it at 3/4
+    assert score == 0.75 + 0.75
+    assert tree.best_draft([9, 7, 1, 2], max_tokens=4, min_prob=0.8)[0] == []
+
+
+def test_draft_is_no_longer_than_the_match():
+    tree = SuffixTree(max_depth=8)
+    tree.add([5, 1, 2, 3, 4, 6])
+    assert tree.best_draft([9, 5], max_tokens=4, min_prob=0.1)[0] == [1]
+    assert tree.best_draft([9, 5, 1], max_tokens=4, min_prob=0.1)[0] == [2, 3]
+    assert tree.best_draft([9, 5, 1], max_tokens=4, min_prob=0.1, max_spec_factor=2.0)[0] == [2, 3, 4, 6]
+
+
+def test_global_tree_learns_finished_answers_and_evicts_old_ones():
+    drafter = SuffixDrafter(SuffixConfig(max_cached_responses=1))
+    answer = [10, 11, 12, 13, 14, 15]
+    first = SequenceView(0, [1, 2] + answer, 2)
+    drafter.begin(first)
+    drafter.end(first)
+    second = SequenceView(1, [3, 4, 10, 11, 12], 2)
+    drafter.begin(second)
+    assert drafter.propose(second, 3).tokens == [13, 14, 15]
+    drafter.end(SequenceView(1, [3, 4, 20, 21], 2))  # evicts the first answer
+    third = SequenceView(2, [5, 10, 11, 12], 1)
+    drafter.begin(third)
+    assert drafter.propose(third, 3).tokens == []
+
+
+def test_local_tree_follows_extensions():
+    drafter = SuffixDrafter()
+    seq = SequenceView(0, [1, 2, 3, 4, 9], 5)
+    drafter.begin(seq)
+    for token in [1, 2]:
+        seq.token_ids.append(token)
+        drafter.extend(seq, [token])
+    assert drafter.propose(seq, 2).tokens[:2] == [3, 4]

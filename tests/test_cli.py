@@ -1,0 +1,79 @@
+"""The CLI on a tiny local model: real output, and one readable line + non-zero exit on bad input."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from specstand.cli import main
+
+
+def _run(capsys, *argv: str) -> tuple[int, str, str]:
+    code = main(list(argv))
+    captured = capsys.readouterr()
+    return code, captured.out, captured.err
+
+
+def test_generate_json_with_every_method(capsys, tiny_model_dir):
+    outputs = {}
+    for method in ("none", "ngram", "suffix"):
+        code, out, _ = _run(capsys, "generate", "--model", str(tiny_model_dir), "--method", method,
+                            "--prompt", "w3 w4 w5 w3 w4 w5 w3 w4", "--max-tokens", "12", "--json")
+        assert code == 0
+        result = json.loads(out)
+        assert {"text", "token_ids", "stats", "tokens_per_second"} <= result.keys()
+        assert result["stats"]["tau"] >= 1.0 and result["stats"]["target_passes"] >= 1
+        outputs[method] = result["token_ids"]
+    assert outputs["ngram"] == outputs["none"] == outputs["suffix"]
+
+
+def test_messages_file_uses_the_chat_template(capsys, tiny_model_dir, tmp_path):
+    messages = tmp_path / "messages.json"
+    messages.write_text(json.dumps([{"role": "user", "content": "w7 w8 w9"}]))
+    code, out, _ = _run(capsys, "generate", "--model", str(tiny_model_dir), "--messages-file", str(messages),
+                        "--max-tokens", "4", "--json", "--temperature", "0.8", "--seed", "3")
+    assert code == 0
+    assert json.loads(out)["prompt_tokens"] == 3
+
+
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        (["--method", "magic"], "unknown method"),
+        (["--k", "-1"], "--k must be >= 0"),
+        (["--max-tokens", "0"], "--max-tokens must be > 0"),
+        (["--prompt", "  "], "prompt is empty"),
+        (["--prompt", " ".join(["w5"] * 3000)], "exceed the context"),
+    ],
+)
+def test_bad_arguments_give_one_line(capsys, tiny_model_dir, extra, message):
+    argv = ["generate", "--model", str(tiny_model_dir), "--prompt", "w1 w2", *extra]
+    code, out, err = _run(capsys, *argv)
+    assert code != 0 and out == ""
+    assert len(err.strip().splitlines()) == 1 and message in err
+
+
+def test_unknown_model_and_bad_messages_files(capsys, tiny_model_dir, tmp_path):
+    code, _, err = _run(capsys, "generate", "--model", "no-such-model", "--prompt", "hi")
+    assert code != 0 and "unknown model" in err and len(err.strip().splitlines()) == 1
+    broken = tmp_path / "broken.json"
+    broken.write_text("[{not json")
+    wrong_shape = tmp_path / "wrong.json"
+    wrong_shape.write_text(json.dumps([{"role": "user"}]))
+    for path, message in ((tmp_path / "missing.json", "cannot read"), (broken, "not valid JSON"),
+                          (wrong_shape, "needs string 'role' and 'content'")):
+        code, _, err = _run(capsys, "generate", "--model", str(tiny_model_dir), "--messages-file", str(path))
+        assert code != 0 and message in err and len(err.strip().splitlines()) == 1
+
+
+def test_console_entry_point_has_no_traceback(tiny_model_dir):
+    done = subprocess.run(
+        [sys.executable, "-m", "specstand.cli", "generate", "--model", str(tiny_model_dir), "--prompt", "w1",
+         "--max-tokens", "-5"],
+        capture_output=True, text=True, timeout=300,
+    )
+    assert done.returncode != 0
+    assert done.stderr.strip() == "specstand: error: --max-tokens must be > 0"

@@ -9,7 +9,10 @@ import torch
 from specstand.runner.kv_cache import KVCache
 from specstand.runner.transformer import ATTENTION_BUCKET, DecoderModel
 
-PREFILL_CHUNK = 512  # caps the fp32 score buffer of long prompts
+# Prompts are computed in blocks of PREFILL_BLOCK positions aligned to multiples of it, each padded to the
+# full block: a position's prompt K/V then depends on its block alone, so a cached prompt prefix (rounded
+# down to a block) is bit-identical to computing the prompt afresh.
+PREFILL_BLOCK = 64
 
 
 @dataclass
@@ -40,17 +43,19 @@ class TargetRunner:
         self, inputs: list[PassInput], width: int, tap_layers: tuple[int, ...] = (), prefill: bool = False
     ) -> list[PassOutput]:
         """One target pass. Every request gets exactly `width` rows (padding repeats its last token), so
-        the pass shape does not depend on draft lengths. Cache lengths advance by the real rows."""
+        the pass shape does not depend on draft lengths. Cache lengths advance by the real rows. A
+        `prefill` pass returns the logits of each request's last real row only."""
         starts = [self.cache.lengths[item.slot] for item in inputs]
         for item, start in zip(inputs, starts, strict=True):
             if not 0 < len(item.tokens) <= width:
                 raise ValueError(f"a pass needs 1..{width} tokens per request, got {len(item.tokens)}")
-            if start + width > self.capacity:
+            if start + width > self.cache.capacity:  # padding rows may use the bucket's tail
                 raise ValueError(f"slot {item.slot} would exceed the cache capacity {self.capacity}")
         rows = [item.tokens + [item.tokens[-1]] * (width - len(item.tokens)) for item in inputs]
         logits, taps = self.model.forward(
             torch.tensor(rows), starts, [item.slot for item in inputs],
             self.cache.keys, self.cache.values, tap_layers, prefill,
+            logits_at=[len(item.tokens) - 1 for item in inputs] if prefill else None,
         )
         outputs = []
         for b, item in enumerate(inputs):
@@ -61,9 +66,13 @@ class TargetRunner:
         return outputs
 
     def prefill(self, slot: int, tokens: list[int], tap_layers: tuple[int, ...] = ()) -> PassOutput:
-        """Compute a prompt in chunks; returns the logits of its last position and the taps of all."""
+        """Compute the prompt `tokens` from the slot's current length (a multiple of PREFILL_BLOCK: a reused
+        prefix) on; returns the logits of its last position and the taps of the computed positions."""
+        start = self.cache.lengths[slot]
+        if start % PREFILL_BLOCK or start >= len(tokens):
+            raise ValueError(f"a prompt prefill must start on a block boundary before its end, not at {start}")
         parts = []
-        for begin in range(0, len(tokens), PREFILL_CHUNK):
-            chunk = tokens[begin : begin + PREFILL_CHUNK]
-            parts.append(self.run([PassInput(slot, chunk)], len(chunk), tap_layers, prefill=True)[0])
+        for begin in range(start, len(tokens), PREFILL_BLOCK):
+            block = tokens[begin : begin + PREFILL_BLOCK]
+            parts.append(self.run([PassInput(slot, block)], PREFILL_BLOCK, tap_layers, prefill=True)[0])
         return PassOutput(parts[-1].logits, {layer: torch.cat([p.taps[layer] for p in parts]) for layer in tap_layers})

@@ -121,7 +121,8 @@ class DecoderModel:
         if fp32_prefill is None:
             fp32_prefill = self.dtype == torch.bfloat16 and not has_fast_bf16_matmul()
         self.prefill_weights = self.weights.to(torch.float32) if fp32_prefill else self.weights
-        self.rope = self._rope_table(inner.rotary_emb, max_positions)
+        # the cache (and so the table) ends on a bucket boundary; rows past max_positions are only padding
+        self.rope = self._rope_table(inner.rotary_emb, -(-max_positions // ATTENTION_BUCKET) * ATTENTION_BUCKET)
 
     def _interleave(self, weight: torch.Tensor | None, heads: int) -> torch.Tensor | None:
         """Reorder each head's dims from HF's half-split rope layout to interleaved pairs, so RoPE is one
@@ -176,20 +177,21 @@ class DecoderModel:
         values: torch.Tensor,
         tap_layers: tuple[int, ...] = (),
         prefill: bool = False,
+        logits_at: list[int] | None = None,
     ) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
         """Run `tokens` [B, T] at positions start..start+T-1 of each slot; write their K/V into the cache
         (`keys`/`values` [layers, slots, kv heads, capacity, D], fp32).
 
-        Returns fp32 logits [B, T, V] (a prefill returns the last row's only, [B, 1, V]) and the hidden
+        Returns fp32 logits [B, T, V] (or [B, 1, V] of row logits_at[b] of each request) and the hidden
         states of `tap_layers` (HF numbering: 0 is the embedding output, i the output of layer i,
-        num_layers the final normed state before the head).
+        num_layers the final normed state before the head). `prefill` computes with the prefill weights.
         """
         weights = self.prefill_weights if prefill else self.weights
         s = self.shape
         width = tokens.shape[1]
         positions = torch.tensor(start_positions)[:, None] + torch.arange(width)[None]
-        if int(positions.max()) >= self.max_positions:
-            raise ValueError(f"position {int(positions.max())} is past the rope table ({self.max_positions})")
+        if int(positions.max()) >= self.rope.shape[0]:
+            raise ValueError(f"position {int(positions.max())} is past the rope table ({self.rope.shape[0]})")
         rope = self.rope[positions][:, :, None]  # [B, T, 1, D/2]
         runs = [_attention_runs(start, width) for start in start_positions]
         taps: dict[int, torch.Tensor] = {}
@@ -207,8 +209,8 @@ class DecoderModel:
         hidden = self.rms_norm(hidden, weights.final_norm)
         if s.num_layers in tap_layers:
             taps[s.num_layers] = hidden
-        if prefill:
-            hidden = hidden[:, -1:]
+        if logits_at is not None:
+            hidden = hidden[torch.arange(len(logits_at)), logits_at][:, None]
         return F.linear(hidden, weights.lm_head).float(), taps
 
     def _attention(

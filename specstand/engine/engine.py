@@ -19,6 +19,7 @@ from specstand.engine.request import GenerationResult, Request, StepEvent
 from specstand.engine.stats import DecodeStats
 from specstand.runner import PassInput, TargetRunner
 from specstand.runner.exactness import row_unit
+from specstand.runner.runner import PREFILL_BLOCK
 from specstand.runner.transformer import DecoderModel
 from specstand.verification import Verdict, target_probs, verify_greedy, verify_sampled
 
@@ -29,6 +30,7 @@ class EngineConfig:
     max_seq_len: int = 2048  # cache capacity of one request: prompt + answer + K + 1
     max_batch: int = 1  # requests decoded together (cache slots)
     exact: bool = True  # fix pass shapes so greedy output cannot depend on draft lengths
+    prefix_reuse: bool = True  # start a prompt from a free slot's cached prompt with the same head
 
     def __post_init__(self) -> None:
         if self.num_speculative_tokens < 0:
@@ -66,6 +68,7 @@ class Engine:
                 "this machine's kernels round differently for different pass shapes even when padded; "
                 "exact greedy decoding is not possible here (run without exact mode)"
             )
+        self._prompts: dict[int, list[int]] = {}  # slot -> the prompt whose K/V it holds from prefill
         self._waiting: deque[tuple[int, Request]] = deque()
         self._running: dict[int, _Running] = {}
         self._next_id = 0
@@ -124,21 +127,43 @@ class Engine:
         events = []
         while self._waiting and self.runner.cache.free_slots:
             request_id, request = self._waiting.popleft()
-            slot = self.runner.cache.allocate()
+            slot, reused = self._reusable_slot(request.prompt_ids)
+            self.runner.cache.allocate(slot)
+            self.runner.cache.rollback(slot, reused)
             seed = request.sampling.seed if request.sampling.seed is not None else random.getrandbits(63)
             state = _Running(
                 request=request,
                 seq=SequenceView(request_id, list(request.prompt_ids), len(request.prompt_ids)),
                 slot=slot,
                 generator=torch.Generator().manual_seed(seed),
-                stats=DecodeStats(),
+                stats=DecodeStats(cached_prompt_tokens=reused),
             )
             self._running[request_id] = state
             if self.drafter is not None:
                 self.drafter.begin(state.seq)
             logits = self.runner.prefill(slot, request.prompt_ids).logits
+            self._prompts[slot] = list(request.prompt_ids)
             events.append(self._emit(request_id, state, self._verify(state, Draft([]), logits), drafted=0))
         return events
+
+    def _reusable_slot(self, prompt: list[int]) -> tuple[int, int]:
+        """The free slot holding the longest prefill-computed head of `prompt`, and how many of its
+        positions to keep: whole prefill blocks only, and never the last prompt token (its logits are
+        needed). Positions computed by decode passes are never reused, since they round differently."""
+        free = self.runner.cache.free_slot_ids
+        best_slot, best = free[-1], 0
+        if not self.config.prefix_reuse:
+            return best_slot, 0
+        for slot in free:
+            cached = self._prompts.get(slot, [])
+            common = 0
+            for a, b in zip(cached, prompt, strict=False):
+                if a != b:
+                    break
+                common += 1
+            if common > best:
+                best_slot, best = slot, common
+        return best_slot, min(best, len(prompt) - 1) // PREFILL_BLOCK * PREFILL_BLOCK
 
     def _propose(self, state: _Running) -> Draft:
         # never draft past max_tokens: the pass emits accepted drafts + 1 target token

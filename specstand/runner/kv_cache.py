@@ -44,10 +44,18 @@ class KVCache:
     def free_slots(self) -> int:
         return len(self._free)
 
-    def allocate(self) -> int:
+    @property
+    def free_slot_ids(self) -> list[int]:
+        return list(self._free)
+
+    def allocate(self, slot: int | None = None) -> int:
+        """Take a free slot (a given one, e.g. to reuse what it still holds). Its length starts at 0;
+        its buffers keep their contents until overwritten."""
         if not self._free:
             raise RuntimeError("no free KV cache slot")
-        slot = self._free.pop()
+        if slot is None:
+            slot = self._free[-1]
+        self._free.remove(slot)
         self.lengths[slot] = 0
         return slot
 
@@ -61,8 +69,3 @@ class KVCache:
             raise ValueError(f"invalid cache length {length}")
         self.lengths[slot] = length
 
-    def copy_prefix(self, src: int, dst: int, length: int) -> None:
-        """Reuse the first `length` positions of slot `src` in slot `dst` (prefix caching)."""
-        self.keys[:, dst, :, :length] = self.keys[:, src, :, :length]
-        self.values[:, dst, :, :length] = self.values[:, src, :, :length]
-        self.lengths[dst] = length

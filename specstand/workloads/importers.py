@@ -74,7 +74,9 @@ def import_tool_calls(name: str, wheel: Path, limit: int | None, max_result_char
     return turns
 
 
-def _task_turn(turn_id: str, source: str, task: dict, specs: dict, max_result_chars: int, max_tokens: int) -> Turn | None:
+def _task_turn(
+    turn_id: str, source: str, task: dict, specs: dict, max_result_chars: int, max_tokens: int
+) -> Turn | None:
     steps = [s for s in task["output"] if s.get("name") in specs]  # drops NESTFUL's final var_result
     if not steps:
         return None

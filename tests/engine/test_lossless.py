@@ -130,3 +130,17 @@ def test_lossless_whichever_way_prompts_are_computed(fp32_prefill):
     model = DecoderModel(tiny_hf_model("llama", torch.bfloat16), 512, fp32_prefill=fp32_prefill)
     prompts = random_prompts(4, 50, seed=12)
     assert _outputs(_engine(model, make_drafter("ngram")), prompts) == _outputs(_engine(model, None), prompts)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_prefix_reuse_is_exact(dtype):
+    model = DecoderModel(tiny_hf_model("qwen2", DTYPES[dtype]), 512)
+    head = random_prompts(1, 140, seed=21)[0]
+    first, second = head + [3, 4, 5], head + [6, 7]
+    warm = _engine(model, make_drafter("ngram"))
+    warm.generate([Request(first, 30)])
+    reused = warm.generate([Request(second, 30)])[0]
+    assert reused.stats.cached_prompt_tokens == 128  # two whole prefill blocks of the shared head
+    fresh = _engine(model, make_drafter("ngram")).generate([Request(second, 30)])[0]
+    assert fresh.stats.cached_prompt_tokens == 0
+    assert reused.output_ids == fresh.output_ids

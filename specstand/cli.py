@@ -36,21 +36,33 @@ def build_parser() -> argparse.ArgumentParser:
     fetch.add_argument("name")
 
     gen = commands.add_parser("generate", help="decode one prompt and print the answer and its stats")
-    gen.add_argument("--model", default="smollm2-135m", help="preset name, model folder or hub id")
-    gen.add_argument("--method", default="none", help=f"one of {', '.join(METHODS)}")
-    gen.add_argument("--k", type=int, default=5, help="most draft tokens verified per pass")
+    _model_args(gen)
     gen.add_argument("--temperature", type=float, default=0.0)
     gen.add_argument("--top-p", type=float, default=1.0)
     gen.add_argument("--top-k", type=int, default=0)
     gen.add_argument("--seed", type=int, default=None)
     gen.add_argument("--max-tokens", type=int, default=256)
-    gen.add_argument("--dtype", default="bf16", choices=["bf16", "fp32"])
-    gen.add_argument("--max-seq-len", type=int, default=2048, help="context (cache capacity) per request")
     source = gen.add_mutually_exclusive_group(required=True)
     source.add_argument("--prompt", help="plain text prompt (no chat template)")
     source.add_argument("--messages-file", type=Path, help="OpenAI chat messages JSON; chat template applied")
     gen.add_argument("--json", action="store_true", help="print one JSON object")
+
+    serve = commands.add_parser("serve", help="OpenAI-compatible server with continuous batching")
+    _model_args(serve)
+    serve.add_argument("--host", default="127.0.0.1")
+    serve.add_argument("--port", type=int, default=8000)
+    serve.add_argument("--max-batch", type=int, default=4, help="requests decoded together")
+    serve.add_argument("--max-queue", type=int, default=64, help="requests in flight before 429")
+    serve.add_argument("--served-model-name", default="")
     return parser
+
+
+def _model_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", default="smollm2-135m", help="preset name, model folder or hub id")
+    parser.add_argument("--method", default="none", help=f"one of {', '.join(METHODS)}")
+    parser.add_argument("--k", type=int, default=5, help="most draft tokens verified per pass")
+    parser.add_argument("--dtype", default="bf16", choices=["bf16", "fp32"])
+    parser.add_argument("--max-seq-len", type=int, default=2048, help="context (cache capacity) per request")
 
 
 def read_messages(path: Path) -> list[dict]:
@@ -90,10 +102,7 @@ def cmd_generate(args: argparse.Namespace) -> None:
     from specstand.models import load_model
     from specstand.verification import SamplingParams
 
-    if args.method not in METHODS:
-        raise CliError(f"unknown method {args.method!r} (choose from {', '.join(METHODS)})")
-    if args.k < 0:
-        raise CliError("--k must be >= 0")
+    _check_model_args(args)
     if args.max_tokens <= 0:
         raise CliError("--max-tokens must be > 0")
     if args.prompt is not None and not args.prompt.strip():
@@ -134,6 +143,32 @@ def cmd_generate(args: argparse.Namespace) -> None:
     )
 
 
+def _check_model_args(args: argparse.Namespace) -> None:
+    if args.method not in METHODS:
+        raise CliError(f"unknown method {args.method!r} (choose from {', '.join(METHODS)})")
+    if args.k < 0:
+        raise CliError("--k must be >= 0")
+
+
+def cmd_serve(args: argparse.Namespace) -> None:
+    import uvicorn
+
+    from specstand.models import load_model
+    from specstand.server import ServerConfig, build_server
+
+    _check_model_args(args)
+    if args.max_batch < 1 or args.max_queue < 1:
+        raise CliError("--max-batch and --max-queue must be >= 1")
+    model = load_model(args.model, args.dtype, args.max_seq_len, log=_log)
+    config = ServerConfig(args.method, args.k, args.max_batch, args.max_queue, args.served_model_name)
+    app, worker = build_server(model, config)
+    _log(f"serving {args.model} with method {args.method} (K={args.k}) on http://{args.host}:{args.port}")
+    try:
+        uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
+    finally:
+        worker.stop()
+
+
 def _run_one(engine) -> GenerationResult:
     """Step the engine until its one request finishes."""
     while True:
@@ -142,7 +177,7 @@ def _run_one(engine) -> GenerationResult:
                 return event.finished
 
 
-COMMANDS = {"models": cmd_models, "generate": cmd_generate}
+COMMANDS = {"models": cmd_models, "generate": cmd_generate, "serve": cmd_serve}
 
 
 def main(argv: list[str] | None = None) -> int:

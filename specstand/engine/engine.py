@@ -77,13 +77,17 @@ class Engine:
     def has_work(self) -> bool:
         return bool(self._waiting or self._running)
 
-    def add_request(self, request: Request) -> int:
+    def check_request(self, request: Request) -> None:
+        """Raise ValueError if the request can never fit; reads configuration only (thread-safe)."""
         needed = len(request.prompt_ids) + request.max_tokens + max(self.width, self.row_unit) - 1
         if needed > self.runner.capacity:
             raise ValueError(
                 f"prompt ({len(request.prompt_ids)} tokens) + max_tokens ({request.max_tokens}) exceed the "
                 f"context of {self.runner.capacity} tokens"
             )
+
+    def add_request(self, request: Request) -> int:
+        self.check_request(request)
         request_id = self._next_id
         self._next_id += 1
         self._waiting.append((request_id, request))
@@ -94,6 +98,13 @@ class Engine:
         state = self._running.pop(request_id, None)
         if state is not None:
             self._release(state)
+
+    def reset(self) -> None:
+        """Drop every request (after a failure); cached prompts are forgotten too."""
+        for request_id in list(self._running):
+            self.abort(request_id)
+        self._waiting.clear()
+        self._prompts.clear()
 
     def generate(self, requests: list[Request]) -> list[GenerationResult]:
         ids = [self.add_request(r) for r in requests]

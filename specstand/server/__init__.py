@@ -1,0 +1,34 @@
+"""The OpenAI-compatible server around the engine."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from specstand.drafters import make_drafter
+from specstand.engine import Engine, EngineConfig
+from specstand.models import LoadedModel
+from specstand.server.app import create_app
+from specstand.server.metrics import ServerMetrics
+from specstand.server.worker import EngineWorker
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    method: str = "none"
+    num_speculative_tokens: int = 5
+    max_batch: int = 4
+    max_queue: int = 64
+    served_name: str = ""
+
+
+def build_server(model: LoadedModel, config: ServerConfig):
+    """The FastAPI app and its engine worker (started); stop the worker when done."""
+    engine = Engine(
+        model.decoder,
+        make_drafter(config.method),
+        EngineConfig(config.num_speculative_tokens, model.max_positions, config.max_batch),
+    )
+    name = config.served_name or model.name
+    worker = EngineWorker(engine, ServerMetrics(name), config.max_queue)
+    worker.start()
+    return create_app(model, worker, name), worker

@@ -1,0 +1,131 @@
+"""Runs the engine in one background thread and feeds it requests from the asyncio server.
+
+Continuous batching: each engine step admits waiting requests into free cache slots and advances every
+running one by one shared target pass. The inbox is bounded; a full inbox is reported as overload.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import threading
+from collections import deque
+from dataclasses import dataclass
+
+from specstand.engine import Engine, Request, StepEvent
+from specstand.server.metrics import ServerMetrics
+
+
+class Overloaded(RuntimeError):
+    pass
+
+
+@dataclass
+class _Ticket:
+    loop: asyncio.AbstractEventLoop
+    events: asyncio.Queue
+    engine_id: int | None = None
+
+
+class EngineWorker:
+    def __init__(self, engine: Engine, metrics: ServerMetrics, max_queue: int) -> None:
+        self.engine = engine
+        self.metrics = metrics
+        self.max_queue = max_queue
+        self._cond = threading.Condition()
+        self._inbox: deque[tuple[int, Request]] = deque()
+        self._cancelled: set[int] = set()
+        self._tickets: dict[int, _Ticket] = {}
+        self._by_engine_id: dict[int, int] = {}
+        self._ids = itertools.count()
+        self._stopped = False
+        self._thread = threading.Thread(target=self._loop, name="specstand-engine", daemon=True)
+        self.healthy = True
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        with self._cond:
+            self._stopped = True
+            self._cond.notify()
+        self._thread.join(timeout=10)
+
+    def submit(self, request: Request) -> tuple[int, asyncio.Queue]:
+        """Queue a request; its StepEvents (and finally an exception or the finished event) arrive on the
+        returned queue. Raises ValueError for a request the engine cannot take, Overloaded when full."""
+        self.engine.check_request(request)
+        with self._cond:
+            if len(self._tickets) >= self.max_queue:
+                raise Overloaded(f"server busy: {len(self._tickets)} requests in flight (limit {self.max_queue})")
+            ticket_id = next(self._ids)
+            ticket = _Ticket(asyncio.get_running_loop(), asyncio.Queue())
+            self._tickets[ticket_id] = ticket
+            self._inbox.append((ticket_id, request))
+            self.metrics.set_waiting(len(self._tickets))
+            self._cond.notify()
+        return ticket_id, ticket.events
+
+    def cancel(self, ticket_id: int) -> None:
+        with self._cond:
+            if ticket_id in self._tickets:
+                self._cancelled.add(ticket_id)
+                self._cond.notify()
+
+    def _loop(self) -> None:
+        while True:
+            with self._cond:
+                while not (self._stopped or self._inbox or self._cancelled or self.engine.has_work):
+                    self._cond.wait()
+                if self._stopped:
+                    return
+                self._take_inbox()
+            try:
+                events = self.engine.step()
+            except Exception as error:  # keep serving: fail the requests in flight, reset the engine
+                self._fail_all(error)
+                continue
+            for event in events:
+                self._deliver(event)
+
+    def _take_inbox(self) -> None:
+        while self._inbox:
+            ticket_id, request = self._inbox.popleft()
+            if ticket_id in self._cancelled:
+                continue
+            engine_id = self.engine.add_request(request)
+            self._tickets[ticket_id].engine_id = engine_id
+            self._by_engine_id[engine_id] = ticket_id
+        for ticket_id in self._cancelled:
+            ticket = self._tickets.pop(ticket_id, None)
+            if ticket is not None and ticket.engine_id is not None:
+                self.engine.abort(ticket.engine_id)
+                self._by_engine_id.pop(ticket.engine_id, None)
+                self.metrics.record_cancelled()
+        self._cancelled.clear()
+        self.metrics.set_waiting(len(self._tickets))
+
+    def _deliver(self, event: StepEvent) -> None:
+        ticket_id = self._by_engine_id.get(event.request_id)
+        if ticket_id is None:
+            return
+        with self._cond:
+            ticket = self._tickets.get(ticket_id)
+            if event.finished is not None:
+                self._tickets.pop(ticket_id, None)
+                self._by_engine_id.pop(event.request_id, None)
+                self.metrics.record(event.finished.stats, "finished")
+                self.metrics.set_waiting(len(self._tickets))
+        if ticket is not None:
+            ticket.loop.call_soon_threadsafe(ticket.events.put_nowait, event)
+
+    def _fail_all(self, error: Exception) -> None:
+        with self._cond:
+            tickets = list(self._tickets.values())
+            self._tickets.clear()
+            self._by_engine_id.clear()
+            self._inbox.clear()
+            self.engine.reset()
+            self.metrics.set_waiting(0)
+        for ticket in tickets:
+            ticket.loop.call_soon_threadsafe(ticket.events.put_nowait, error)

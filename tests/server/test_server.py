@@ -1,0 +1,156 @@
+"""The server answers the official OpenAI client, batches concurrent calls, and survives bad input."""
+
+from __future__ import annotations
+
+import json
+import socket
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import openai
+import pytest
+import uvicorn
+
+from specstand.cli import main
+from specstand.models import load_model
+from specstand.server import ServerConfig, build_server
+
+PROMPTS = ["w3 w4 w5 w3 w4 w5 w3", "w9 w8 w7 w9 w8", "w20 w21 w22 w23 w20 w21", "w5", "w40 w41 w40 w41 w40"]
+
+
+class LiveServer:
+    def __init__(self, model_dir, **config):
+        model = load_model(str(model_dir), "bf16", 512)
+        self.app, self.worker = build_server(model, ServerConfig(**config))
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            self.port = s.getsockname()[1]
+        self.server = uvicorn.Server(uvicorn.Config(self.app, host="127.0.0.1", port=self.port, log_level="error"))
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+        self.thread.start()
+        deadline = time.time() + 30
+        while not self.server.started:
+            assert time.time() < deadline, "server did not start"
+            time.sleep(0.05)
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.client = openai.OpenAI(base_url=self.url + "/v1", api_key="unused", max_retries=0, timeout=60)
+
+    def close(self):
+        self.server.should_exit = True
+        self.thread.join(timeout=10)
+        self.worker.stop()
+
+
+@pytest.fixture(scope="module")
+def server(tiny_model_dir):
+    live = LiveServer(tiny_model_dir, method="ngram", max_batch=3, max_queue=16)
+    yield live
+    live.close()
+
+
+def _generate_ids(capsys, model_dir, prompt_file):
+    assert main(["generate", "--model", str(model_dir), "--method", "none", "--messages-file", str(prompt_file),
+                 "--max-tokens", "16", "--json", "--max-seq-len", "512"]) == 0
+    return json.loads(capsys.readouterr().out)["token_ids"]
+
+
+def test_openai_client_matches_specstand_generate(server, tiny_model_dir, tmp_path, capsys):
+    served = server.client.models.list().data[0].id
+    for prompt in PROMPTS[:3]:
+        reply = server.client.chat.completions.create(
+            model=served, messages=[{"role": "user", "content": prompt}], max_tokens=16, temperature=0)
+        path = tmp_path / "m.json"
+        path.write_text(json.dumps([{"role": "user", "content": prompt}]))
+        assert reply.model_extra["specstand"]["token_ids"] == _generate_ids(capsys, tiny_model_dir, path)
+        assert reply.choices[0].message.role == "assistant"
+        assert reply.usage.completion_tokens == len(reply.model_extra["specstand"]["token_ids"])
+
+
+def test_concurrent_requests_share_passes_and_match_single_runs(server):
+    served = server.client.models.list().data[0].id
+
+    def ask(prompt):
+        reply = server.client.chat.completions.create(
+            model=served, messages=[{"role": "user", "content": prompt}], max_tokens=24, temperature=0)
+        return reply.model_extra["specstand"]["token_ids"]
+
+    single = [ask(p) for p in PROMPTS]
+    with ThreadPoolExecutor(len(PROMPTS)) as pool:
+        together = list(pool.map(ask, PROMPTS))
+    assert together == single
+
+
+def test_streaming_and_completions(server):
+    served = server.client.models.list().data[0].id
+    messages = [{"role": "user", "content": PROMPTS[0]}]
+    full = server.client.chat.completions.create(model=served, messages=messages, max_tokens=16, temperature=0)
+    chunks = server.client.chat.completions.create(model=served, messages=messages, max_tokens=16, temperature=0,
+                                                   stream=True)
+    text = "".join(c.choices[0].delta.content or "" for c in chunks)
+    assert text == full.choices[0].message.content
+    completion = server.client.completions.create(model=served, prompt="w3 w4 w5", max_tokens=8, temperature=0)
+    assert completion.choices[0].finish_reason in ("stop", "length")
+
+
+def test_bad_requests_get_4xx_and_the_server_keeps_serving(server):
+    url = server.url + "/v1/chat/completions"
+    ok = {"messages": [{"role": "user", "content": "w1"}], "max_tokens": 4, "temperature": 0}
+    cases = [
+        (b"{not json", 400),
+        (json.dumps({**ok, "max_tokens": "many"}).encode(), 400),
+        (json.dumps({**ok, "max_tokens": 0}).encode(), 400),
+        (json.dumps({**ok, "messages": []}).encode(), 400),
+        (json.dumps({**ok, "temperature": -1}).encode(), 400),
+        (json.dumps({**ok, "messages": [{"role": "user", "content": " ".join(["w2"] * 600)}]}).encode(), 400),
+        (json.dumps({**ok, "model": "other-model"}).encode(), 404),
+    ]
+    for body, status in cases:
+        reply = httpx.post(url, content=body, headers={"content-type": "application/json"}, timeout=30)
+        assert reply.status_code == status, body[:80]
+        assert reply.json()["error"]["message"]
+    assert httpx.post(url, json=ok, timeout=30).status_code == 200
+    assert httpx.get(server.url + "/health").status_code == 200
+
+
+def test_metrics_use_vllm_names(server):
+    served = server.client.models.list().data[0].id
+    server.client.chat.completions.create(model=served, messages=[{"role": "user", "content": PROMPTS[0]}],
+                                          max_tokens=16, temperature=0)
+    text = httpx.get(server.url + "/metrics").text
+    for name in ("vllm:spec_decode_num_drafts_total", "vllm:spec_decode_num_draft_tokens_total",
+                 "vllm:spec_decode_num_accepted_tokens_total", "vllm:spec_decode_num_accepted_tokens_per_pos_total",
+                 "specstand:target_passes_total", "specstand:passes_without_draft_total", "specstand:tau"):
+        assert name in text, name
+
+
+def test_disconnect_frees_the_slot(tiny_model_dir):
+    live = LiveServer(tiny_model_dir, method="none", max_batch=1, max_queue=4)
+    try:
+        body = {"messages": [{"role": "user", "content": "w1 w2"}], "max_tokens": 400, "temperature": 0,
+                "stream": True}
+        with httpx.stream("POST", live.url + "/v1/chat/completions", json=body, timeout=30) as reply:
+            next(reply.iter_lines())  # the first chunk arrived; now hang up
+        deadline = time.time() + 20
+        while 'outcome="cancelled"' not in httpx.get(live.url + "/metrics").text:
+            assert time.time() < deadline, "the abandoned request kept its slot"
+            time.sleep(0.1)
+        served = live.client.models.list().data[0].id
+        reply = live.client.chat.completions.create(model=served, messages=[{"role": "user", "content": "w3"}],
+                                                    max_tokens=4, temperature=0)
+        assert reply.choices[0].finish_reason in ("stop", "length")
+    finally:
+        live.close()
+
+
+def test_overload_answers_429(tiny_model_dir):
+    live = LiveServer(tiny_model_dir, method="none", max_batch=1, max_queue=1)
+    try:
+        body = {"messages": [{"role": "user", "content": "w1 w2"}], "max_tokens": 200, "temperature": 0}
+        with ThreadPoolExecutor(4) as pool:
+            codes = list(pool.map(lambda _: httpx.post(live.url + "/v1/chat/completions", json=body,
+                                                       timeout=60).status_code, range(4)))
+        assert 429 in codes and 200 in codes
+    finally:
+        live.close()

@@ -54,6 +54,33 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--max-batch", type=int, default=4, help="requests decoded together")
     serve.add_argument("--max-queue", type=int, default=64, help="requests in flight before 429")
     serve.add_argument("--served-model-name", default="")
+
+    workload = commands.add_parser("workload", help="import public agent workloads")
+    workload_cmd = workload.add_subparsers(dest="workload_command", required=True, parser_class=_Parser)
+    imp = workload_cmd.add_parser("import", help="convert a data set into the workload format")
+    imp.add_argument("source", choices=["complexfuncbench", "nestful", "spec-bench"])
+    imp.add_argument("--out", type=Path, required=True)
+    imp.add_argument("--limit", type=int, default=None, help="at most this many turns")
+    imp.add_argument("--max-prompt-chars", type=int, default=6000, help="skip turns with a longer call prompt")
+    imp.add_argument("--max-result-chars", type=int, default=600, help="truncate recorded tool results")
+    imp.add_argument("--max-tokens", type=int, default=None, help="answer budget per call")
+    imp.add_argument("--spec-bench-file", type=Path, default=None)
+
+    bench = commands.add_parser("bench", help="replay a workload under load and write the report")
+    bench.add_argument("--workload", type=Path, required=True)
+    bench.add_argument("--endpoint", action="append", default=[], metavar="NAME=URL",
+                       help="an OpenAI-compatible server to measure (repeatable)")
+    bench.add_argument("--model", default=None, help="start specstand servers for this model")
+    bench.add_argument("--method", action="append", default=[], help="method(s) to serve (repeatable or a,b,c)")
+    bench.add_argument("--k", type=int, default=5)
+    bench.add_argument("--dtype", default="bf16", choices=["bf16", "fp32"])
+    bench.add_argument("--max-seq-len", type=int, default=2048)
+    bench.add_argument("--max-batch", type=int, default=4)
+    bench.add_argument("--users", default="1,4", help="comma-separated concurrent user counts")
+    bench.add_argument("--repeats", type=int, default=3)
+    bench.add_argument("--limit-turns", type=int, default=None)
+    bench.add_argument("--baseline", default=None, help="target the others are compared with (default: first)")
+    bench.add_argument("--out", type=Path, required=True)
     return parser
 
 
@@ -169,6 +196,79 @@ def cmd_serve(args: argparse.Namespace) -> None:
         worker.stop()
 
 
+def cmd_workload(args: argparse.Namespace) -> None:
+    from specstand.workloads import save_workload
+    from specstand.workloads.importers import SPEC_BENCH, import_spec_bench, import_tool_calls, nestful_wheel
+
+    if args.limit is not None and args.limit < 1:
+        raise CliError("--limit must be >= 1")
+    if args.source == "spec-bench":
+        turns = import_spec_bench(args.spec_bench_file or SPEC_BENCH, args.limit, args.max_prompt_chars,
+                                  args.max_tokens or 256)
+    else:
+        turns = import_tool_calls(args.source, nestful_wheel(log=_log), args.limit, args.max_result_chars,
+                                  args.max_prompt_chars, args.max_tokens or 128)
+    if not turns:
+        raise CliError("no turn fits the limits; raise --max-prompt-chars")
+    save_workload(turns, args.out)
+    calls = sum(len(t.calls) for t in turns)
+    _log(f"wrote {len(turns)} turns ({calls} calls) to {args.out}")
+
+
+def _parse_users(text: str) -> list[int]:
+    try:
+        users = [int(u) for u in text.split(",") if u.strip()]
+    except ValueError:
+        raise CliError(f"--users must be comma-separated integers, not {text!r}") from None
+    if not users or min(users) < 1:
+        raise CliError("--users needs counts >= 1")
+    return users
+
+
+def cmd_bench(args: argparse.Namespace) -> None:
+    import asyncio
+
+    from specstand.bench.run import BenchConfig, Target, run_bench, start_server, stop_servers, wait_ready
+    from specstand.workloads import load_workload
+
+    users = _parse_users(args.users)
+    if args.repeats < 1:
+        raise CliError("--repeats must be >= 1")
+    turns = load_workload(args.workload)[: args.limit_turns]
+    methods = [m for value in args.method for m in value.split(",") if m]
+    for method in methods:
+        if method not in METHODS:
+            raise CliError(f"unknown method {method!r} (choose from {', '.join(METHODS)})")
+    if methods and not args.model:
+        raise CliError("--method needs --model")
+    if not methods and not args.endpoint:
+        raise CliError("give --endpoint NAME=URL or --model M --method X")
+    targets: list[Target] = []
+    for spec in args.endpoint:
+        name, sep, url = spec.partition("=")
+        if not sep or not url.startswith("http"):
+            raise CliError(f"--endpoint takes NAME=URL, not {spec!r}")
+        targets.append(Target(name, url))
+    try:
+        for method in methods:
+            targets.append(start_server(method, args.model, args.k, args.max_batch, args.dtype, args.max_seq_len))
+        for target in targets:
+            wait_ready(target)
+        baseline = args.baseline or targets[0].name
+        if baseline not in [t.name for t in targets]:
+            raise CliError(f"--baseline {baseline!r} is not one of the targets")
+        config = BenchConfig(str(args.workload), users, args.repeats, args.out, baseline,
+                             {"model": args.model, "dtype": args.dtype, "max_batch": args.max_batch})
+        try:
+            table = asyncio.run(run_bench(targets, turns, config))
+        except KeyboardInterrupt:
+            raise CliError(f"interrupted; the partial report is in {args.out}") from None
+        print(table)
+        _log(f"report: {args.out / 'report.md'}, raw: {args.out / 'report.json'}")
+    finally:
+        stop_servers(targets)
+
+
 def _run_one(engine) -> GenerationResult:
     """Step the engine until its one request finishes."""
     while True:
@@ -177,7 +277,8 @@ def _run_one(engine) -> GenerationResult:
                 return event.finished
 
 
-COMMANDS = {"models": cmd_models, "generate": cmd_generate, "serve": cmd_serve}
+COMMANDS = {"models": cmd_models, "generate": cmd_generate, "serve": cmd_serve, "workload": cmd_workload,
+            "bench": cmd_bench}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,0 +1,1 @@
+"""The stand: replay agent turns under load against OpenAI-compatible endpoints and report."""

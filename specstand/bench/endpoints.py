@@ -1,0 +1,60 @@
+"""An OpenAI-compatible endpoint (specstand, vLLM, SGLang, ...) as the replay sees it."""
+
+from __future__ import annotations
+
+import httpx
+from prometheus_client.parser import text_string_to_metric_families
+
+from specstand.bench.replay import Answer
+from specstand.workloads import Call
+
+
+class OpenAIEndpoint:
+    def __init__(self, base_url: str, model: str | None = None, timeout_s: float = 600) -> None:
+        self.base_url = base_url.rstrip("/")
+        self.model = model
+        self.client = httpx.AsyncClient(timeout=timeout_s, limits=httpx.Limits(max_connections=512))
+
+    async def resolve_model(self) -> str:
+        if self.model is None:
+            reply = await self.client.get(f"{self.base_url}/v1/models")
+            reply.raise_for_status()
+            self.model = reply.json()["data"][0]["id"]
+        return self.model
+
+    async def complete(self, call: Call) -> Answer:
+        model = await self.resolve_model()
+        body = {"model": model, "max_tokens": call.max_tokens, "temperature": 0}
+        if call.messages is not None:
+            reply = await self.client.post(f"{self.base_url}/v1/chat/completions", json={**body,
+                                                                                         "messages": call.messages})
+        else:
+            reply = await self.client.post(f"{self.base_url}/v1/completions", json={**body, "prompt": call.prompt})
+        if reply.status_code != 200:
+            raise RuntimeError(f"HTTP {reply.status_code}: {reply.text[:200]}")
+        data = reply.json()
+        choice = data["choices"][0]
+        text = choice["message"]["content"] if "message" in choice else choice["text"]
+        return Answer(text or "", int(data.get("usage", {}).get("completion_tokens", 0)))
+
+    async def scrape_metrics(self) -> dict[str, float]:
+        """Counter totals by sample name (labels folded: per-position counters keep their position)."""
+        try:
+            reply = await self.client.get(f"{self.base_url}/metrics")
+        except httpx.HTTPError:
+            return {}
+        if reply.status_code != 200:
+            return {}
+        totals: dict[str, float] = {}
+        for family in text_string_to_metric_families(reply.text):
+            for sample in family.samples:
+                if not (sample.name.startswith("vllm:spec_decode") or sample.name.startswith("specstand:")):
+                    continue
+                key = sample.name
+                if "position" in sample.labels:
+                    key += f"[{sample.labels['position']}]"
+                totals[key] = totals.get(key, 0.0) + sample.value
+        return totals
+
+    async def close(self) -> None:
+        await self.client.aclose()

@@ -1,0 +1,111 @@
+"""Replay whole agent turns under U concurrent users.
+
+Each user replays its turns one after another. Inside a turn a call starts when all its dependencies
+have finished plus its recorded delay, so independent calls run in parallel, as the agent ran them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from specstand.workloads import Call, Turn
+
+
+@dataclass
+class Answer:
+    text: str
+    completion_tokens: int
+
+
+class Endpoint(Protocol):
+    async def complete(self, call: Call) -> Answer: ...
+
+
+@dataclass
+class CallRecord:
+    turn_id: str
+    call_id: str
+    stage: str
+    start: float
+    end: float
+    text: str = ""
+    completion_tokens: int = 0
+    error: str = ""
+
+    @property
+    def latency(self) -> float:
+        return self.end - self.start
+
+
+@dataclass
+class TurnRecord:
+    turn_id: str
+    user: int
+    start: float
+    end: float
+    calls: list[CallRecord] = field(default_factory=list)
+
+    @property
+    def duration(self) -> float:
+        return self.end - self.start
+
+    @property
+    def failed(self) -> bool:
+        return any(c.error for c in self.calls)
+
+
+def assign_turns(turns: list[Turn], users: int) -> list[list[Turn]]:
+    """Every user gets ceil(len(turns) / users) turns from the cyclic order, starting at its own offset:
+    the load stays at `users` for the whole run and every turn is replayed at least once."""
+    per_user = max(1, math.ceil(len(turns) / users))
+    return [[turns[(u * per_user + i) % len(turns)] for i in range(per_user)] for u in range(users)]
+
+
+async def replay(
+    turns: list[Turn],
+    endpoint: Endpoint,
+    users: int,
+    clock: Callable[[], float] = time.perf_counter,
+    on_turn: Callable[[TurnRecord], None] = lambda record: None,
+) -> tuple[list[TurnRecord], float]:
+    """Returns the turn records (in completion order) and the wall time of the run."""
+    records: list[TurnRecord] = []
+    started = clock()
+
+    async def user(index: int, own: list[Turn]) -> None:
+        for turn in own:
+            record = await _replay_turn(turn, endpoint, index, clock)
+            records.append(record)
+            on_turn(record)
+
+    await asyncio.gather(*(user(i, own) for i, own in enumerate(assign_turns(turns, users))))
+    return records, clock() - started
+
+
+async def _replay_turn(turn: Turn, endpoint: Endpoint, user: int, clock: Callable[[], float]) -> TurnRecord:
+    record = TurnRecord(turn.turn_id, user, clock(), 0.0)
+    done: dict[str, asyncio.Future] = {c.id: asyncio.get_running_loop().create_future() for c in turn.calls}
+
+    async def run(call: Call) -> None:
+        for dep in call.depends_on:
+            await done[dep]
+        if call.delay_ms:
+            await asyncio.sleep(call.delay_ms / 1000)
+        entry = CallRecord(turn.turn_id, call.id, call.stage, clock(), 0.0)
+        try:
+            answer = await endpoint.complete(call)
+            entry.text, entry.completion_tokens = answer.text, answer.completion_tokens
+        except Exception as error:  # a failed call is recorded, and its dependants still run
+            entry.error = f"{type(error).__name__}: {error}"[:300]
+        entry.end = clock()
+        record.calls.append(entry)
+        done[call.id].set_result(None)
+
+    await asyncio.gather(*(run(c) for c in turn.calls))
+    record.end = clock()
+    return record

@@ -1,0 +1,240 @@
+"""Aggregate replay runs into the report: report.json (raw), report.md (the table), PNG plots.
+
+Table shape follows seed 000: methods as columns; rows K, turn p50 per U (median over repeats with its
+[min-max] spread), speedup vs the baseline, turns/s at the top U, tau over all passes, vLLM's per-draft
+tau, broken JSON, identical answers. A method whose spread overlaps the baseline's is marked "≈": the
+difference is inside the noise.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import statistics
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import jsonschema
+
+from specstand.bench.replay import TurnRecord
+from specstand.workloads import Call, Turn
+
+_FENCE = re.compile(r"^\s*```[a-zA-Z]*\s*\n?(.*?)\n?```\s*$", re.DOTALL)
+
+
+@dataclass
+class RunResult:
+    target: str
+    users: int
+    repeat: int
+    wall_s: float
+    turns: list[TurnRecord]
+    metrics_delta: dict[str, float] = field(default_factory=dict)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict) -> RunResult:
+        from specstand.bench.replay import CallRecord
+
+        turns = [TurnRecord(t["turn_id"], t["user"], t["start"], t["end"], [CallRecord(**c) for c in t["calls"]])
+                 for t in data["turns"]]
+        return cls(data["target"], data["users"], data["repeat"], data["wall_s"], turns, data["metrics_delta"])
+
+
+def json_is_broken(text: str, schema: dict | None) -> bool:
+    """An expected-JSON answer is broken if it does not parse (a surrounding ``` fence is allowed) or
+    does not validate against its schema."""
+    match = _FENCE.match(text)
+    try:
+        value = json.loads(match.group(1) if match else text)
+    except json.JSONDecodeError:
+        return True
+    if schema:
+        try:
+            jsonschema.validate(value, schema)
+        except jsonschema.ValidationError:
+            return True
+    return False
+
+
+def percentile(values: list[float], q: float) -> float | None:
+    if not values:
+        return None
+    ordered = sorted(values)
+    position = (len(ordered) - 1) * q
+    low = int(position)
+    high = min(low + 1, len(ordered) - 1)
+    return ordered[low] + (ordered[high] - ordered[low]) * (position - low)
+
+
+def run_summary(run: RunResult, calls: dict[tuple[str, str], Call], baseline_texts: dict[tuple[str, str], str]) -> dict:
+    turn_times = [t.duration for t in run.turns if not t.failed]
+    records = [c for t in run.turns for c in t.calls]
+    ok = [c for c in records if not c.error]
+    expected_json = [c for c in ok if calls[(c.turn_id, c.call_id)].expect_json]
+    broken = sum(json_is_broken(c.text, calls[(c.turn_id, c.call_id)].json_schema) for c in expected_json)
+    compared = [c for c in ok if (c.turn_id, c.call_id) in baseline_texts]
+    identical = sum(c.text == baseline_texts[(c.turn_id, c.call_id)] for c in compared)
+    m = run.metrics_delta
+    passes = m.get("specstand:target_passes_total", 0.0)
+    drafts = m.get("vllm:spec_decode_num_drafts_total", 0.0)
+    accepted = m.get("vllm:spec_decode_num_accepted_tokens_total", 0.0)
+    per_position = sorted((int(k.split("[")[1][:-1]), v) for k, v in m.items()
+                          if k.startswith("vllm:spec_decode_num_accepted_tokens_per_pos_total["))
+    return {
+        "turn_p50_s": percentile(turn_times, 0.5),
+        "turn_p90_s": percentile(turn_times, 0.9),
+        "turns_per_s": len(turn_times) / run.wall_s if run.wall_s else 0.0,
+        "call_p50_s": percentile([c.latency for c in ok], 0.5),
+        "output_tokens_per_s": sum(c.completion_tokens for c in ok) / run.wall_s if run.wall_s else 0.0,
+        "tau": m.get("specstand:emitted_tokens_total", 0.0) / passes if passes else None,
+        "tau_per_draft_vllm": 1 + accepted / drafts if drafts else None,
+        "acceptance_per_position": [v / drafts for _, v in per_position] if drafts else [],
+        "broken_json": broken / len(expected_json) if expected_json else None,
+        "identical": identical / len(compared) if compared else None,
+        "failed_calls": len(records) - len(ok),
+        "calls": len(records),
+    }
+
+
+def summarize(runs: list[RunResult], turns: list[Turn], baseline: str) -> dict:
+    """Per target and U: the list of per-repeat summaries."""
+    calls = {(t.turn_id, c.id): c for t in turns for c in t.calls}
+    base_runs = sorted((r for r in runs if r.target == baseline), key=lambda r: (r.repeat, r.users))
+    baseline_texts = {}
+    if base_runs:
+        baseline_texts = {(c.turn_id, c.call_id): c.text for t in base_runs[0].turns for c in t.calls if not c.error}
+    out: dict[str, dict[int, list[dict]]] = {}
+    for run in runs:
+        out.setdefault(run.target, {}).setdefault(run.users, []).append(run_summary(run, calls, baseline_texts))
+    return out
+
+
+def _values(summaries: list[dict], key: str) -> list[float]:
+    return [s[key] for s in summaries if s.get(key) is not None]
+
+
+def _spread(values: list[float]) -> tuple[float, float, float] | None:
+    return (statistics.median(values), min(values), max(values)) if values else None
+
+
+def _fmt_pct(values: list[float]) -> str:
+    return f"{100 * statistics.mean(values):.1f}%" if values else "–"
+
+
+def render_markdown(summary: dict, targets: list[str], users: list[int], baseline: str, k_by_target: dict) -> str:
+    top = max(users)
+    header = "| | " + " | ".join(targets) + " |\n|---|" + "---|" * len(targets) + "\n"
+    rows = ["| K | " + " | ".join(str(k_by_target.get(t, "–")) for t in targets) + " |"]
+    for u in users:
+        base = _spread(_values(summary.get(baseline, {}).get(u, []), "turn_p50_s"))
+        cells, speedups = [], []
+        for t in targets:
+            spread = _spread(_values(summary.get(t, {}).get(u, []), "turn_p50_s"))
+            if spread is None:
+                cells.append("–")
+                speedups.append("–")
+                continue
+            equal = t != baseline and base is not None and spread[1] <= base[2] and base[1] <= spread[2]
+            cells.append(f"{spread[0]:.2f} [{spread[1]:.2f}–{spread[2]:.2f}]{' ≈' if equal else ''}")
+            speedups.append(f"x{base[0] / spread[0]:.2f}{' ≈' if equal else ''}" if base else "–")
+        rows.append(f"| turn p50, U={u} (s) | " + " | ".join(cells) + " |")
+        rows.append(f"| speedup vs {baseline}, U={u} | " + " | ".join(speedups) + " |")
+    for label, key, users_for in (
+        (f"turns/s, U={top}", "turns_per_s", [top]),
+        ("turn p90, U=1 (s)" if 1 in users else f"turn p90, U={users[0]} (s)", "turn_p90_s", [users[0]]),
+    ):
+        cells = []
+        for t in targets:
+            spread = _spread([v for u in users_for for v in _values(summary.get(t, {}).get(u, []), key)])
+            cells.append(f"{spread[0]:.2f}" if spread else "–")
+        rows.append(f"| {label} | " + " | ".join(cells) + " |")
+    for label, key, fmt in (
+        ("tau (all passes)", "tau", "{:.2f}"),
+        ("tau per draft (vLLM: 1+accepted/drafts)", "tau_per_draft_vllm", "{:.2f}"),
+    ):
+        cells = []
+        for t in targets:
+            values = [v for u in users for v in _values(summary.get(t, {}).get(u, []), key)]
+            cells.append(fmt.format(statistics.median(values)) if values else "–")
+        rows.append(f"| {label} | " + " | ".join(cells) + " |")
+    for label, key in (("broken JSON", "broken_json"), (f"identical to {baseline}", "identical")):
+        rows.append(f"| {label} | " + " | ".join(
+            _fmt_pct([v for u in users for v in _values(summary.get(t, {}).get(u, []), key)]) for t in targets) + " |")
+    failed = [sum(s["failed_calls"] for u in users for s in summary.get(t, {}).get(u, [])) for t in targets]
+    rows.append("| failed calls | " + " | ".join(str(f) for f in failed) + " |")
+    return header + "\n".join(rows) + "\n"
+
+
+def write_plots(summary: dict, targets: list[str], users: list[int], out_dir: Path) -> list[Path]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    paths = []
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for t in targets:
+        curves = [s["acceptance_per_position"] for u in users for s in summary.get(t, {}).get(u, [])
+                  if s["acceptance_per_position"]]
+        if curves:
+            depth = max(len(c) for c in curves)
+            mean = [statistics.mean(c[i] for c in curves if i < len(c)) for i in range(depth)]
+            ax.plot(range(1, depth + 1), mean, marker="o", label=t)
+    ax.set_xlabel("draft position")
+    ax.set_ylabel("accepted / drafts")
+    ax.set_title("Acceptance per position")
+    ax.set_ylim(0, 1)
+    if ax.lines:
+        ax.legend()
+    paths.append(_save(fig, out_dir / "acceptance_per_position.png"))
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for t in targets:
+        medians = {u: _values(summary.get(t, {}).get(u, []), "turn_p50_s") for u in users}
+        points = [(u, statistics.median(v)) for u, v in medians.items() if v]
+        if points:
+            ax.plot([p[0] for p in points], [p[1] for p in points], marker="o", label=t)
+    ax.set_xlabel("concurrent users")
+    ax.set_ylabel("turn p50 (s)")
+    ax.set_title("Turn latency under load")
+    if ax.lines:
+        ax.legend()
+    paths.append(_save(fig, out_dir / "turn_p50_vs_users.png"))
+    return paths
+
+
+def _save(fig, path: Path) -> Path:
+    import matplotlib.pyplot as plt
+
+    tmp = path.with_name(path.stem + ".tmp.png")
+    fig.tight_layout()
+    fig.savefig(tmp, dpi=110)
+    plt.close(fig)
+    tmp.replace(path)
+    return path
+
+
+def write_report(out_dir: Path, config: dict, runs: list[RunResult], turns: list[Turn], targets: list[str],
+                 users: list[int], baseline: str, k_by_target: dict, complete: bool) -> str:
+    """Write report.json, report.md and plots atomically; returns the markdown table."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    summary = summarize(runs, turns, baseline)
+    table = render_markdown(summary, targets, users, baseline, k_by_target)
+    raw = {"config": config, "complete": complete, "summary": summary, "runs": [r.to_dict() for r in runs]}
+    _atomic_write(out_dir / "report.json", json.dumps(raw, indent=1))
+    status = "" if complete else "\n**Partial report**: the run was interrupted or is still going.\n"
+    md = (f"# specstand bench\n\nWorkload `{config.get('workload')}`, {len(turns)} turns, users {users}, "
+          f"{config.get('repeats')} repeats (runs interleaved). Times are medians over repeats with "
+          f"[min–max]; ≈ marks a difference inside the spread.\n{status}\n{table}")
+    _atomic_write(out_dir / "report.md", md)
+    if runs:
+        write_plots(summary, targets, users, out_dir)
+    return table
+
+
+def _atomic_write(path: Path, text: str) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(text)
+    tmp.replace(path)

@@ -1,0 +1,119 @@
+"""The bench: start or reach each target, replay the workload under each U, interleaved, and report."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+from tqdm import tqdm
+
+from specstand.bench.endpoints import OpenAIEndpoint
+from specstand.bench.replay import assign_turns, replay
+from specstand.bench.report import RunResult, write_report
+from specstand.workloads import Turn
+
+SERVER_START_TIMEOUT_S = 600
+
+
+@dataclass
+class Target:
+    name: str
+    url: str
+    k: int | None = None
+    process: subprocess.Popen | None = None
+    log: Path | None = None
+
+
+@dataclass
+class BenchConfig:
+    workload: str
+    users: list[int]
+    repeats: int
+    out_dir: Path
+    baseline: str
+    extra: dict = field(default_factory=dict)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_server(method: str, model: str, k: int, max_batch: int, dtype: str, max_seq_len: int) -> Target:
+    """`specstand serve` in its own process (its own threads, so targets do not share the engine)."""
+    port = _free_port()
+    log = Path(tempfile.mkstemp(prefix=f"specstand-serve-{method}-", suffix=".log")[1])
+    cmd = [sys.executable, "-m", "specstand.cli", "serve", "--model", model, "--method", method, "--k", str(k),
+           "--port", str(port), "--max-batch", str(max_batch), "--dtype", dtype, "--max-seq-len", str(max_seq_len),
+           "--served-model-name", model]
+    with log.open("w") as sink:
+        process = subprocess.Popen(cmd, stdout=sink, stderr=subprocess.STDOUT, env=os.environ.copy())
+    return Target(method, f"http://127.0.0.1:{port}", k if method != "none" else None, process, log)
+
+
+def wait_ready(target: Target) -> None:
+    deadline = time.time() + SERVER_START_TIMEOUT_S
+    while time.time() < deadline:
+        if target.process is not None and target.process.poll() is not None:
+            tail = target.log.read_text().strip().splitlines()[-1:] if target.log else []
+            raise RuntimeError(f"server for {target.name} exited: {tail[0] if tail else 'no output'}")
+        try:
+            if httpx.get(f"{target.url}/health", timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)
+    raise RuntimeError(f"server for {target.name} did not become ready in {SERVER_START_TIMEOUT_S}s")
+
+
+def stop_servers(targets: list[Target]) -> None:
+    for target in targets:
+        if target.process is not None and target.process.poll() is None:
+            target.process.terminate()
+            try:
+                target.process.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                target.process.kill()
+
+
+async def run_bench(targets: list[Target], turns: list[Turn], config: BenchConfig) -> str:
+    endpoints = {t.name: OpenAIEndpoint(t.url) for t in targets}
+    names = [t.name for t in targets]
+    k_by_target = {t.name: t.k if t.k is not None else "–" for t in targets}
+    runs: list[RunResult] = []
+    report_config = {"workload": config.workload, "users": config.users, "repeats": config.repeats,
+                     "targets": {t.name: t.url for t in targets}, **config.extra}
+
+    def report(complete: bool) -> str:
+        return write_report(config.out_dir, report_config, runs, turns, names, config.users, config.baseline,
+                            k_by_target, complete)
+
+    per_run = {u: sum(len(own) for own in assign_turns(turns, u)) for u in config.users}
+    total = config.repeats * len(targets) * sum(per_run.values())
+    try:
+        for endpoint in endpoints.values():  # warm-up, not recorded: first-call costs stay out of the figures
+            await replay(turns[:1], endpoint, 1)
+        with tqdm(total=total, unit="turn", desc="bench", file=sys.stderr) as bar:
+            for repeat in range(config.repeats):
+                for users in config.users:
+                    for name in names:  # interleaved, so drift hits every target alike
+                        bar.set_postfix_str(f"{name} U={users} repeat {repeat + 1}")
+                        endpoint = endpoints[name]
+                        before = await endpoint.scrape_metrics()
+                        records, wall = await replay(turns, endpoint, users, on_turn=lambda _: bar.update())
+                        after = await endpoint.scrape_metrics()
+                        delta = {key: after[key] - before.get(key, 0.0) for key in after}
+                        runs.append(RunResult(name, users, repeat, wall, records, delta))
+                        report(complete=False)
+        return report(complete=True)
+    finally:
+        for endpoint in endpoints.values():
+            await endpoint.close()

@@ -1,0 +1,77 @@
+"""Replay timing against a fake endpoint with known latencies."""
+
+import asyncio
+
+import pytest
+
+from specstand.bench.replay import Answer, assign_turns, replay
+from specstand.workloads import Call, Turn
+
+LATENCY_S = {"a": 0.10, "b": 0.20, "c": 0.10, "d": 0.10}
+TOLERANCE_S = 0.03
+
+
+class FakeEndpoint:
+    def __init__(self, fail: set[str] = frozenset()):
+        self.fail = fail
+        self.active = 0
+        self.max_active = 0
+
+    async def complete(self, call):
+        self.active += 1
+        self.max_active = max(self.max_active, self.active)
+        try:
+            await asyncio.sleep(LATENCY_S[call.id])
+            if call.id in self.fail:
+                raise RuntimeError("boom")
+            return Answer(f"answer {call.id}", 3)
+        finally:
+            self.active -= 1
+
+
+def _turn(turn_id):
+    # a -> (b, c after a 50 ms pause) -> d: d starts at max(0.1 + 0.2, 0.1 + 0.05 + 0.1) = 0.3, ends at 0.4
+    return Turn(turn_id, [
+        Call(id="a", prompt="p"),
+        Call(id="b", prompt="p", depends_on=["a"]),
+        Call(id="c", prompt="p", depends_on=["a"], delay_ms=50),
+        Call(id="d", prompt="p", depends_on=["b", "c"]),
+    ])
+
+
+def test_turn_time_follows_dependencies_and_delays():
+    records, wall = asyncio.run(replay([_turn("t0")], FakeEndpoint(), users=1))
+    (record,) = records
+    assert record.duration == pytest.approx(0.40, abs=TOLERANCE_S)
+    starts = {c.call_id: c.start - record.start for c in record.calls}
+    assert starts["a"] == pytest.approx(0.0, abs=TOLERANCE_S)
+    assert starts["b"] == pytest.approx(0.10, abs=TOLERANCE_S)
+    assert starts["c"] == pytest.approx(0.15, abs=TOLERANCE_S)
+    assert starts["d"] == pytest.approx(0.30, abs=TOLERANCE_S)
+    assert wall == pytest.approx(0.40, abs=TOLERANCE_S)
+
+
+def test_users_replay_their_turns_one_after_another_in_parallel():
+    turns = [_turn(f"t{i}") for i in range(4)]
+    endpoint = FakeEndpoint()
+    records, wall = asyncio.run(replay(turns, endpoint, users=2))
+    assert sorted(r.turn_id for r in records) == [f"t{i}" for i in range(4)]
+    assert all(r.duration == pytest.approx(0.40, abs=TOLERANCE_S) for r in records)
+    assert wall == pytest.approx(0.80, abs=2 * TOLERANCE_S)  # two turns in a row per user, users in parallel
+    assert endpoint.max_active == 4  # b and c of both users at once
+
+
+def test_assignment_keeps_every_user_busy():
+    turns = [_turn(f"t{i}") for i in range(3)]
+    plan = assign_turns(turns, 5)
+    assert len(plan) == 5 and all(len(own) == 1 for own in plan)
+    assert {t.turn_id for own in plan for t in own} == {"t0", "t1", "t2"}
+    assert [len(own) for own in assign_turns(turns, 2)] == [2, 2]
+
+
+def test_a_failed_call_is_recorded_and_the_turn_finishes():
+    records, _ = asyncio.run(replay([_turn("t0")], FakeEndpoint(fail={"b"}), users=1))
+    (record,) = records
+    assert record.failed
+    errors = {c.call_id: c.error for c in record.calls}
+    assert errors["b"].startswith("RuntimeError") and errors["d"] == ""

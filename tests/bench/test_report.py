@@ -1,0 +1,63 @@
+import json
+
+from specstand.bench.replay import CallRecord, TurnRecord
+from specstand.bench.report import RunResult, json_is_broken, percentile, render_markdown, summarize, write_report
+from specstand.workloads import Call, Turn
+
+SCHEMA = {"type": "object", "required": ["name"]}
+
+
+def test_broken_json_rules():
+    assert not json_is_broken('{"name": "x"}', SCHEMA)
+    assert not json_is_broken('```json\n{"name": "x"}\n```', SCHEMA)
+    assert json_is_broken('{"name": "x"', None)
+    assert json_is_broken('{"other": 1}', SCHEMA)
+    assert json_is_broken("Sure! Here it is", None)
+
+
+def test_percentile():
+    assert percentile([3.0, 1.0, 2.0], 0.5) == 2.0
+    assert percentile([1.0, 2.0], 0.9) == 1.9
+    assert percentile([], 0.5) is None
+
+
+def _run(target, users, repeat, turn_time, texts, metrics=None):
+    turns = []
+    for i, text in enumerate(texts):
+        calls = [CallRecord(f"t{i}", "a", "s", 0.0, turn_time, text, 4)]
+        turns.append(TurnRecord(f"t{i}", 0, 0.0, turn_time, calls))
+    return RunResult(target, users, repeat, turn_time * len(texts), turns, metrics or {})
+
+
+def test_table_marks_differences_inside_the_spread(tmp_path):
+    workload = [Turn(f"t{i}", [Call(id="a", prompt="p", expect_json=True)]) for i in range(2)]
+    metrics = {"specstand:target_passes_total": 10, "specstand:emitted_tokens_total": 25,
+               "vllm:spec_decode_num_drafts_total": 8, "vllm:spec_decode_num_accepted_tokens_total": 12,
+               "vllm:spec_decode_num_accepted_tokens_per_pos_total[0]": 6,
+               "vllm:spec_decode_num_accepted_tokens_per_pos_total[1]": 4}
+    runs = [
+        _run("none", 1, 0, 1.00, ['{"a": 1}', "oops"]), _run("none", 1, 1, 1.10, ['{"a": 1}', "oops"]),
+        _run("fast", 1, 0, 0.50, ['{"a": 1}', "oops"], metrics),
+        _run("fast", 1, 1, 0.52, ['{"a": 1}', "oops"], metrics),
+        _run("same", 1, 0, 1.05, ['{"a": 1}', "different"]), _run("same", 1, 1, 1.20, ['{"a": 1}', "oops"]),
+    ]
+    summary = summarize(runs, workload, "none")
+    fast = summary["fast"][1][0]
+    assert fast["tau"] == 2.5 and fast["tau_per_draft_vllm"] == 2.5
+    assert fast["acceptance_per_position"] == [0.75, 0.5]
+    assert fast["broken_json"] == 0.5 and fast["identical"] == 1.0
+    assert summary["same"][1][0]["identical"] == 0.5
+    table = render_markdown(summary, ["none", "fast", "same"], [1], "none", {"fast": 5})
+    row = next(line for line in table.splitlines() if line.startswith("| turn p50, U=1"))
+    cells = [c.strip() for c in row.split("|")[2:-1]]
+    assert cells[0].startswith("1.05") and not cells[0].endswith("≈")
+    assert cells[1].startswith("0.51") and not cells[1].endswith("≈")  # faster, outside the spread
+    assert cells[2].endswith("≈")  # inside the baseline's spread
+    assert "| broken JSON | 50.0% | 50.0% | 50.0% |" in table
+    write_report(tmp_path, {"workload": "w", "repeats": 2}, runs, workload, ["none", "fast", "same"], [1], "none",
+                 {}, complete=True)
+    raw = json.loads((tmp_path / "report.json").read_text())
+    assert raw["complete"] and len(raw["runs"]) == 6
+    assert RunResult.from_dict(raw["runs"][2]).turns[0].calls[0].text == '{"a": 1}'
+    assert (tmp_path / "acceptance_per_position.png").stat().st_size > 0
+    assert (tmp_path / "turn_p50_vs_users.png").stat().st_size > 0

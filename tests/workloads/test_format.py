@@ -1,0 +1,62 @@
+import json
+
+import pytest
+
+from specstand.workloads import Call, Turn, WorkloadError, load_workload, save_workload
+
+
+def _write(tmp_path, *turns):
+    path = tmp_path / "w.jsonl"
+    path.write_text("\n".join(t if isinstance(t, str) else json.dumps(t) for t in turns) + "\n")
+    return path
+
+
+GOOD = {"turn_id": "t1", "calls": [
+    {"id": "a", "messages": [{"role": "user", "content": "hi"}], "expect_json": True,
+     "json_schema": {"type": "object"}},
+    {"id": "b", "prompt": "raw", "depends_on": ["a"], "delay_ms": 120, "max_tokens": 8},
+]}
+
+
+def test_round_trip(tmp_path):
+    turns = load_workload(_write(tmp_path, GOOD))
+    assert turns[0].calls[1].depends_on == ["a"] and turns[0].calls[1].delay_ms == 120
+    out = tmp_path / "copy.jsonl"
+    save_workload(turns, out)
+    assert load_workload(out) == turns
+
+
+@pytest.mark.parametrize(
+    ("turn", "message"),
+    [
+        ("{broken", "w.jsonl:2: not valid JSON"),
+        ({"turn_id": "x", "calls": []}, "w.jsonl:2: calls: [] should be non-empty"),
+        ({"turn_id": "x", "calls": [{"id": "a"}]}, "w.jsonl:2: calls[0]: a call needs exactly one of"),
+        ({"turn_id": "x", "calls": [{"id": "a", "prompt": "p", "max_tokens": 0}]}, "calls[0].max_tokens"),
+        ({"turn_id": "x", "calls": [{"id": "a", "prompt": "p", "delay_ms": "soon"}]}, "calls[0].delay_ms"),
+        ({"turn_id": "x", "calls": [{"id": "a", "prompt": "p", "depends_on": ["zz"]}]},
+         "calls[0].depends_on[0]: unknown call 'zz'"),
+        ({"turn_id": "x", "calls": [{"id": "a", "prompt": "p", "depends_on": ["b"]},
+                                    {"id": "b", "prompt": "p", "depends_on": ["a"]}]}, "dependency cycle"),
+        ({"turn_id": "x", "calls": [{"id": "a", "prompt": "p", "colour": "red"}]}, "Additional properties"),
+        ({"turn_id": "t1", "calls": [{"id": "a", "prompt": "p"}]}, "duplicate turn_id 't1'"),
+    ],
+)
+def test_validation_names_line_and_field(tmp_path, turn, message):
+    with pytest.raises(WorkloadError, match=".*") as caught:
+        load_workload(_write(tmp_path, GOOD, turn))
+    assert message in str(caught.value)
+
+
+def test_missing_and_empty_files(tmp_path):
+    with pytest.raises(WorkloadError, match="cannot read"):
+        load_workload(tmp_path / "nope.jsonl")
+    (tmp_path / "empty.jsonl").write_text("\n")
+    with pytest.raises(WorkloadError, match="no turns"):
+        load_workload(tmp_path / "empty.jsonl")
+
+
+def test_turn_to_json_omits_defaults():
+    line = json.loads(Turn("t", [Call(id="a", prompt="p")]).to_json())
+    assert line == {"turn_id": "t", "calls": [{"id": "a", "prompt": "p", "delay_ms": 0.0, "max_tokens": 256,
+                                                "expect_json": False}]}

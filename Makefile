@@ -21,12 +21,16 @@ lint: install
 test: lint
 	$(PY) -m pytest -q
 
+DEMO := out/demo
+
+# The stand on the default model: a small ComplexFuncBench agent workload, three methods, 1 and 4 users.
 demo: install
 	$(VENV)/bin/specstand models fetch $(MODEL)
-	@for method in none ngram suffix; do \
-		$(VENV)/bin/specstand generate --model $(MODEL) --method $$method --max-tokens 96 \
-			--messages-file examples/messages.json; \
-	done
+	mkdir -p $(DEMO)
+	$(VENV)/bin/specstand workload import complexfuncbench --out $(DEMO)/workload.jsonl --limit 2 \
+		--max-prompt-chars 4000 --max-tokens 48
+	$(VENV)/bin/specstand bench --workload $(DEMO)/workload.jsonl --model $(MODEL) --method none,ngram,suffix \
+		--users 1,4 --repeats 2 --out $(DEMO)
 
 bench: install
 	$(PY) benchmarks/generate_vs_hf.py --model $(MODEL)

@@ -56,6 +56,15 @@ class _Running:
         return len(self.seq.token_ids) - self.seq.prompt_len
 
 
+def _common_prefix(a: list[int], b: list[int]) -> int:
+    n = 0
+    for x, y in zip(a, b, strict=False):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
 class Engine:
     def __init__(self, model: DecoderModel, drafter: Drafter | None, config: EngineConfig) -> None:
         self.config = config
@@ -139,8 +148,6 @@ class Engine:
         while self._waiting and self.runner.cache.free_slots:
             request_id, request = self._waiting.popleft()
             slot, reused = self._reusable_slot(request.prompt_ids)
-            self.runner.cache.allocate(slot)
-            self.runner.cache.rollback(slot, reused)
             seed = request.sampling.seed if request.sampling.seed is not None else random.getrandbits(63)
             state = _Running(
                 request=request,
@@ -158,23 +165,29 @@ class Engine:
         return events
 
     def _reusable_slot(self, prompt: list[int]) -> tuple[int, int]:
-        """The free slot holding the longest prefill-computed head of `prompt`, and how many of its
-        positions to keep: whole prefill blocks only, and never the last prompt token (its logits are
+        """Pick a free slot for `prompt` and fill it with the longest cached prompt head of any slot (free or
+        running: positions below a slot's prompt length only ever hold its prefill K/V). Returns the slot and
+        how many positions it holds: whole prefill blocks only, never the last prompt token (its logits are
         needed). Positions computed by decode passes are never reused, since they round differently."""
         free = self.runner.cache.free_slot_ids
-        best_slot, best = free[-1], 0
-        if not self.config.prefix_reuse:
-            return best_slot, 0
-        for slot in free:
-            cached = self._prompts.get(slot, [])
-            common = 0
-            for a, b in zip(cached, prompt, strict=False):
-                if a != b:
-                    break
-                common += 1
-            if common > best:
-                best_slot, best = slot, common
-        return best_slot, min(best, len(prompt) - 1) // PREFILL_BLOCK * PREFILL_BLOCK
+        donor, common = None, 0
+        if self.config.prefix_reuse:
+            for slot, cached in self._prompts.items():
+                n = _common_prefix(cached, prompt)
+                if n > common or (n == common and n and slot in free):
+                    donor, common = slot, n
+        reuse = min(common, len(prompt) - 1) // PREFILL_BLOCK * PREFILL_BLOCK
+        if reuse and donor in free:
+            self.runner.cache.allocate(donor)
+            self.runner.cache.rollback(donor, reuse)
+            return donor, reuse
+        # prefer a slot whose cached prompt nobody is likely to want: one without any
+        target = next((slot for slot in reversed(free) if slot not in self._prompts), free[-1])
+        self.runner.cache.allocate(target)
+        self._prompts.pop(target, None)
+        if reuse:
+            self.runner.cache.copy_prefix(donor, target, reuse)
+        return target, reuse
 
     def _propose(self, state: _Running) -> Draft:
         # never draft past max_tokens: the pass emits accepted drafts + 1 target token

@@ -63,6 +63,12 @@ class KVCache:
         self.lengths[slot] = 0
         self._free.append(slot)
 
+    def copy_prefix(self, src: int, dst: int, length: int) -> None:
+        """Give slot `dst` the first `length` positions of slot `src` (prefix reuse across requests)."""
+        self.keys[:, dst, :, :length] = self.keys[:, src, :, :length]
+        self.values[:, dst, :, :length] = self.values[:, src, :, :length]
+        self.lengths[dst] = length
+
     def rollback(self, slot: int, length: int) -> None:
         """Keep the first `length` positions of the slot; O(1)."""
         if not 0 <= length <= self.capacity:

@@ -144,3 +144,16 @@ def test_prefix_reuse_is_exact(dtype):
     fresh = _engine(model, make_drafter("ngram")).generate([Request(second, 30)])[0]
     assert fresh.stats.cached_prompt_tokens == 0
     assert reused.output_ids == fresh.output_ids
+
+
+def test_prefix_is_copied_from_a_running_request():
+    model = DecoderModel(tiny_hf_model("llama", torch.bfloat16), 512)
+    head = random_prompts(1, 130, seed=22)[0]
+    prompts = [head + [3], head + [4, 5], head + [6]]
+    engine = _engine(model, make_drafter("suffix"), max_batch=3)
+    engine.generate([Request(prompts[0], 5)])
+    # two calls sharing the head start together: one takes the finished slot, the other copies from it
+    results = engine.generate([Request(p, 20) for p in prompts[1:]])
+    assert [r.stats.cached_prompt_tokens for r in results] == [128, 128]
+    fresh = [_engine(model, make_drafter("suffix")).generate([Request(p, 20)])[0].output_ids for p in prompts[1:]]
+    assert [r.output_ids for r in results] == fresh

@@ -66,6 +66,12 @@ def build_parser() -> argparse.ArgumentParser:
     imp.add_argument("--max-tokens", type=int, default=None, help="answer budget per call")
     imp.add_argument("--spec-bench-file", type=Path, default=None)
 
+    record = commands.add_parser("record", help="pass-through proxy that records an agent's calls as a workload")
+    record.add_argument("--upstream", required=True, help="the OpenAI-compatible server the agent uses")
+    record.add_argument("--host", default="127.0.0.1")
+    record.add_argument("--port", type=int, default=8100)
+    record.add_argument("--out", type=Path, required=True)
+
     bench = commands.add_parser("bench", help="replay a workload under load and write the report")
     bench.add_argument("--workload", type=Path, required=True)
     bench.add_argument("--endpoint", action="append", default=[], metavar="NAME=URL",
@@ -215,6 +221,17 @@ def cmd_workload(args: argparse.Namespace) -> None:
     _log(f"wrote {len(turns)} turns ({calls} calls) to {args.out}")
 
 
+def cmd_record(args: argparse.Namespace) -> None:
+    import uvicorn
+
+    from specstand.recorder.proxy import create_recorder
+
+    if not args.upstream.startswith("http"):
+        raise CliError(f"--upstream must be an http(s) URL, not {args.upstream!r}")
+    _log(f"recording calls to {args.upstream} via http://{args.host}:{args.port} into {args.out}")
+    uvicorn.run(create_recorder(args.upstream, args.out), host=args.host, port=args.port, log_level="warning")
+
+
 def _parse_users(text: str) -> list[int]:
     try:
         users = [int(u) for u in text.split(",") if u.strip()]
@@ -278,7 +295,7 @@ def _run_one(engine) -> GenerationResult:
 
 
 COMMANDS = {"models": cmd_models, "generate": cmd_generate, "serve": cmd_serve, "workload": cmd_workload,
-            "bench": cmd_bench}
+            "record": cmd_record, "bench": cmd_bench}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -236,14 +236,14 @@ class DecoderModel:
         qk = torch.view_as_real(torch.view_as_complex(qk.float().unflatten(-1, (-1, 2))) * rope).flatten(-2)
         q, k = qk.transpose(1, 2).split([s.num_heads, s.num_kv_heads], dim=1)  # [B, heads, T, D]
         v = v.transpose(1, 2)
-        out = torch.empty(batch, s.num_heads, width, s.head_dim)
+        outs = []
         for b, (slot, start) in enumerate(zip(slots, start_positions, strict=True)):
-            keys[slot, :, start : start + width] = k[b]
-            values[slot, :, start : start + width] = v[b]
-            for run in runs[b]:
-                out[b, :, run.row : run.row + run.rows] = self._attend(
-                    q[b, :, run.row : run.row + run.rows], keys[slot], values[slot], run
-                )
+            slot_keys, slot_values = keys[slot], values[slot]
+            slot_keys[:, start : start + width] = k[b]
+            slot_values[:, start : start + width] = v[b]
+            parts = [self._attend(q[b, :, r.row : r.row + r.rows], slot_keys, slot_values, r) for r in runs[b]]
+            outs.append(parts[0] if len(parts) == 1 else torch.cat(parts, dim=1))
+        out = outs[0][None] if batch == 1 else torch.stack(outs)  # [B, H, T, D]
         return F.linear(out.to(x.dtype).transpose(1, 2).reshape(batch, width, s.q_size), layer.o_proj)
 
     def _attend(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, run: _AttentionRun) -> torch.Tensor:

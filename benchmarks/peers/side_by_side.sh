@@ -8,8 +8,8 @@ cd "$ROOT"
 SPEC="$ROOT/.venv/bin/specstand"
 PY="$ROOT/.venv/bin/python"
 MODEL="${MODEL:-qwen2.5-coder-0.5b}"
-TURNS="${TURNS:-3}"
-MAX_TOKENS="${MAX_TOKENS:-64}"
+TURNS="${TURNS:-2}"
+MAX_TOKENS="${MAX_TOKENS:-48}"
 USERS="${USERS:-1,4}"
 REPEATS="${REPEATS:-2}"
 PEERS="${PEERS:-vllm hf}"
@@ -17,7 +17,7 @@ OUT="${OUT:-$ROOT/benchmarks/results/side_by_side_${MODEL}}"
 mkdir -p "$OUT"
 
 model_dir="$("$SPEC" models fetch "$MODEL")"
-"$SPEC" workload import complexfuncbench --out "$OUT/workload.jsonl" --limit "$TURNS" --max-prompt-chars 3000 \
+"$SPEC" workload import complexfuncbench --out "$OUT/workload.jsonl" --limit "$TURNS" --max-prompt-chars 2500 \
   --max-tokens "$MAX_TOKENS"
 
 pids=()

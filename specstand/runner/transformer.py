@@ -40,12 +40,14 @@ class Weights:
     final_norm: torch.Tensor
     lm_head: torch.Tensor
 
-    def to(self, dtype: torch.dtype) -> Weights:
+    def with_layers_in(self, dtype: torch.dtype) -> Weights:
+        """A copy whose layers compute in `dtype`. The embedding table and the head stay shared: a looked-up
+        row is cast exactly, and the head runs once per prompt, on one row."""
         def cast(t: torch.Tensor | None) -> torch.Tensor | None:
             return None if t is None else t.to(dtype)
 
         layers = [LayerWeights(**{k: cast(v) for k, v in vars(layer).items()}) for layer in self.layers]
-        return Weights(cast(self.embed_tokens), layers, cast(self.final_norm), cast(self.lm_head))
+        return Weights(self.embed_tokens, layers, cast(self.final_norm), self.lm_head)
 
 
 def has_fast_bf16_matmul() -> bool:
@@ -121,7 +123,7 @@ class DecoderModel:
         )
         if fp32_prefill is None:
             fp32_prefill = self.dtype == torch.bfloat16 and not has_fast_bf16_matmul()
-        self.prefill_weights = self.weights.to(torch.float32) if fp32_prefill else self.weights
+        self.prefill_weights = self.weights.with_layers_in(torch.float32) if fp32_prefill else self.weights
         # the cache (and so the table) ends on a bucket boundary; rows past max_positions are only padding
         self.rope = self._rope_table(inner.rotary_emb, -(-max_positions // ATTENTION_BUCKET) * ATTENTION_BUCKET)
 
@@ -196,7 +198,7 @@ class DecoderModel:
         rope = self.rope[positions][:, :, None]  # [B, T, 1, D/2]
         runs = [_attention_runs(start, width) for start in start_positions]
         taps: dict[int, torch.Tensor] = {}
-        hidden = F.embedding(tokens, weights.embed_tokens)
+        hidden = F.embedding(tokens, weights.embed_tokens).to(weights.final_norm.dtype)
         if 0 in tap_layers:
             taps[0] = hidden
         for index, layer in enumerate(weights.layers):
@@ -212,7 +214,7 @@ class DecoderModel:
             taps[s.num_layers] = hidden
         if logits_at is not None:
             hidden = hidden[torch.arange(len(logits_at)), logits_at][:, None]
-        return F.linear(hidden, weights.lm_head).float(), taps
+        return F.linear(hidden.to(weights.lm_head.dtype), weights.lm_head).float(), taps
 
     def _attention(
         self,

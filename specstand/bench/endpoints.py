@@ -35,7 +35,8 @@ class OpenAIEndpoint:
         data = reply.json()
         choice = data["choices"][0]
         text = choice["message"]["content"] if "message" in choice else choice["text"]
-        return Answer(text or "", int(data.get("usage", {}).get("completion_tokens", 0)))
+        tokens = int(data.get("usage", {}).get("completion_tokens", 0))
+        return Answer(text or "", tokens, choice.get("finish_reason") or "")
 
     async def scrape_metrics(self) -> dict[str, float]:
         """Counter totals by sample name (labels folded: per-position counters keep their position)."""

@@ -20,6 +20,7 @@ from specstand.workloads import Call, Turn
 class Answer:
     text: str
     completion_tokens: int
+    finish_reason: str = ""  # "stop", or "length" when max_tokens cut the answer
 
 
 class Endpoint(Protocol):
@@ -35,6 +36,7 @@ class CallRecord:
     end: float
     text: str = ""
     completion_tokens: int = 0
+    finish_reason: str = ""
     error: str = ""
 
     @property
@@ -100,6 +102,7 @@ async def _replay_turn(turn: Turn, endpoint: Endpoint, user: int, clock: Callabl
         try:
             answer = await endpoint.complete(call)
             entry.text, entry.completion_tokens = answer.text, answer.completion_tokens
+            entry.finish_reason = answer.finish_reason
         except Exception as error:  # a failed call is recorded, and its dependants still run
             entry.error = f"{type(error).__name__}: {error}"[:300]
         entry.end = clock()

@@ -74,7 +74,10 @@ def run_summary(run: RunResult, calls: dict[tuple[str, str], Call], baseline_tex
     records = [c for t in run.turns for c in t.calls]
     ok = [c for c in records if not c.error]
     expected_json = [c for c in ok if calls[(c.turn_id, c.call_id)].expect_json]
-    broken = sum(json_is_broken(c.text, calls[(c.turn_id, c.call_id)].json_schema) for c in expected_json)
+    # an answer cut by max_tokens says nothing about the engine: count it apart from broken JSON
+    truncated = [c for c in expected_json if c.finish_reason == "length"]
+    finished = [c for c in expected_json if c.finish_reason != "length"]
+    broken = sum(json_is_broken(c.text, calls[(c.turn_id, c.call_id)].json_schema) for c in finished)
     compared = [c for c in ok if (c.turn_id, c.call_id) in baseline_texts]
     identical = sum(c.text == baseline_texts[(c.turn_id, c.call_id)] for c in compared)
     m = run.metrics_delta
@@ -92,7 +95,8 @@ def run_summary(run: RunResult, calls: dict[tuple[str, str], Call], baseline_tex
         "tau": m.get("specstand:emitted_tokens_total", 0.0) / passes if passes else None,
         "tau_per_draft_vllm": 1 + accepted / drafts if drafts else None,
         "acceptance_per_position": [v / drafts for _, v in per_position] if drafts else [],
-        "broken_json": broken / len(expected_json) if expected_json else None,
+        "broken_json": broken / len(finished) if finished else None,
+        "truncated_json": len(truncated) / len(expected_json) if expected_json else None,
         "identical": identical / len(compared) if compared else None,
         "failed_calls": len(records) - len(ok),
         "calls": len(records),
@@ -144,7 +148,9 @@ def render_markdown(summary: dict, targets: list[str], users: list[int], baselin
         rows.append(f"| speedup vs {baseline}, U={u} | " + " | ".join(speedups) + " |")
     for label, key, users_for in (
         (f"turns/s, U={top}", "turns_per_s", [top]),
-        ("turn p90, U=1 (s)" if 1 in users else f"turn p90, U={users[0]} (s)", "turn_p90_s", [users[0]]),
+        (f"turn p90, U={users[0]} (s)", "turn_p90_s", [users[0]]),
+        (f"call p50, U={top} (s)", "call_p50_s", [top]),
+        (f"output tokens/s, U={top}", "output_tokens_per_s", [top]),
     ):
         cells = []
         for t in targets:
@@ -160,7 +166,8 @@ def render_markdown(summary: dict, targets: list[str], users: list[int], baselin
             values = [v for u in users for v in _values(summary.get(t, {}).get(u, []), key)]
             cells.append(fmt.format(statistics.median(values)) if values else "–")
         rows.append(f"| {label} | " + " | ".join(cells) + " |")
-    for label, key in (("broken JSON", "broken_json"), (f"identical to {baseline}", "identical")):
+    for label, key in (("broken JSON (finished answers)", "broken_json"),
+                       ("JSON answers cut by max_tokens", "truncated_json"), (f"identical to {baseline}", "identical")):
         rows.append(f"| {label} | " + " | ".join(
             _fmt_pct([v for u in users for v in _values(summary.get(t, {}).get(u, []), key)]) for t in targets) + " |")
     failed = [sum(s["failed_calls"] for u in users for s in summary.get(t, {}).get(u, [])) for t in targets]

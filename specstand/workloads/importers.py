@@ -93,7 +93,8 @@ def _task_turn(
             stage=step["name"],
             messages=[dict(m) for m in history],
             depends_on=[labels[r] for r in referenced if r in labels and labels[r] != f"step{i}"],
-            max_tokens=max_tokens,
+            # budget from the recorded answer (JSON is >= 2 characters a token), capped by max_tokens
+            max_tokens=min(max_tokens, len(json.dumps(answer, ensure_ascii=False)) // 2 + 32),
             expect_json=True,
             json_schema=CALL_SCHEMA,
             recorded={"answer": json.dumps(answer, ensure_ascii=False)},

@@ -24,7 +24,7 @@ def test_percentile():
 def _run(target, users, repeat, turn_time, texts, metrics=None):
     turns = []
     for i, text in enumerate(texts):
-        calls = [CallRecord(f"t{i}", "a", "s", 0.0, turn_time, text, 4)]
+        calls = [CallRecord(f"t{i}", "a", "s", 0.0, turn_time, text, 4, "length" if text == "cut" else "stop")]
         turns.append(TurnRecord(f"t{i}", 0, 0.0, turn_time, calls))
     return RunResult(target, users, repeat, turn_time * len(texts), turns, metrics or {})
 
@@ -53,7 +53,9 @@ def test_table_marks_differences_inside_the_spread(tmp_path):
     assert cells[0].startswith("1.05") and not cells[0].endswith("≈")
     assert cells[1].startswith("0.51") and not cells[1].endswith("≈")  # faster, outside the spread
     assert cells[2].endswith("≈")  # inside the baseline's spread
-    assert "| broken JSON | 50.0% | 50.0% | 50.0% |" in table
+    assert "| broken JSON (finished answers) | 50.0% | 50.0% | 50.0% |" in table
+    cut = summarize([_run("none", 1, 0, 1.0, ['{"a": 1}', "cut"])], workload, "none")["none"][1][0]
+    assert cut["broken_json"] == 0.0 and cut["truncated_json"] == 0.5
     write_report(tmp_path, {"workload": "w", "repeats": 2}, runs, workload, ["none", "fast", "same"], [1], "none",
                  {}, complete=True)
     raw = json.loads((tmp_path / "report.json").read_text())

@@ -35,7 +35,9 @@ def test_tool_call_tasks_become_turns_with_dependencies(tmp_path):
     calls = turns[0].calls
     assert [c.stage for c in calls] == ["Search_Location", "Search_Cars", "Search_Cars", "Weather"]
     assert [c.depends_on for c in calls] == [[], ["step0"], ["step0"], []]
-    assert all(c.expect_json and c.max_tokens == 64 for c in calls)
+    assert all(c.expect_json for c in calls)
+    assert calls[0].max_tokens == len('{"name": "Search_Location", "arguments": {"query": "Hotel"}}') // 2 + 32
+    assert calls[1].max_tokens == 64  # the cap
     # step 2 sees the query, the tools, and earlier calls with their (truncated) results
     messages = calls[3].messages
     assert messages[0]["role"] == "system" and "Search_Cars" in messages[0]["content"]

@@ -37,10 +37,6 @@ class KVCache:
         self._free = list(range(num_slots - 1, -1, -1))
 
     @property
-    def num_slots(self) -> int:
-        return len(self.lengths)
-
-    @property
     def free_slots(self) -> int:
         return len(self._free)
 

@@ -5,8 +5,8 @@ often its path occurred. To draft, the context's last m tokens are matched (m = 
 exists), and a draft grows from the matched node along the most frequent child while the path
 probability (product of child/parent count ratios) stays >= min_token_prob. Each candidate is scored by
 the sum of its path probabilities (its expected accepted length); the best over all m and over the
-request's own tree and the global tree wins. Written here: arctic-inference needs vLLM and a compiled
-extension, this is plain Python with the same rules.
+request's own tree and the global tree wins. Written here in plain Python with
+Arctic's rules (arctic-inference 0.3.0 is a source-only package on PyPI).
 """
 
 from __future__ import annotations

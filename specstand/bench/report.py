@@ -16,7 +16,7 @@ from pathlib import Path
 
 import jsonschema
 
-from specstand.bench.replay import TurnRecord
+from specstand.bench.replay import CallRecord, TurnRecord
 from specstand.workloads import Call, Turn
 
 _FENCE = re.compile(r"^\s*```[a-zA-Z]*\s*\n?(.*?)\n?```\s*$", re.DOTALL)
@@ -36,8 +36,6 @@ class RunResult:
 
     @classmethod
     def from_dict(cls, data: dict) -> RunResult:
-        from specstand.bench.replay import CallRecord
-
         turns = [TurnRecord(t["turn_id"], t["user"], t["start"], t["end"], [CallRecord(**c) for c in t["calls"]])
                  for t in data["turns"]]
         return cls(data["target"], data["users"], data["repeat"], data["wall_s"], turns, data["metrics_delta"])

@@ -30,7 +30,7 @@ class EngineConfig:
     max_seq_len: int = 2048  # cache capacity of one request: prompt + answer + K + 1
     max_batch: int = 1  # requests decoded together (cache slots)
     exact: bool = True  # fix pass shapes so greedy output cannot depend on draft lengths
-    prefix_reuse: bool = True  # start a prompt from a free slot's cached prompt with the same head
+    prefix_reuse: bool = True  # start a prompt from the longest cached prompt head of any slot
 
     def __post_init__(self) -> None:
         if self.num_speculative_tokens < 0:

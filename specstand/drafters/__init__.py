@@ -1,27 +1,49 @@
-"""Drafters, one file per method, all behind `Drafter` (base.py)."""
+"""Drafters, one file per method, all behind `Drafter` (base.py).
+
+Training-free: ngram.py, suffix.py. Trained (their weights come from `specstand train`): eagle3.py and
+mtp.py (both token-by-token, core in chain.py), dflash.py (one pass per block); trained.py loads them.
+"""
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from pathlib import Path
 
-from specstand.drafters.base import Draft, Drafter, SequenceView
+from specstand.drafters.base import Draft, Drafter, HiddenRows, SequenceView
 from specstand.drafters.ngram import NgramConfig, NgramDrafter
 from specstand.drafters.suffix import SuffixConfig, SuffixDrafter
+from specstand.drafters.trained import TRAINED, DrafterLoadError, load_drafter, read_drafter, shipped_drafter
+from specstand.runner.transformer import DecoderModel
 
 # method name -> factory; `none` means no drafter
 DRAFTERS: dict[str, Callable[[], Drafter]] = {
     "ngram": NgramDrafter,
     "suffix": SuffixDrafter,
 }
-METHODS = ("none", *DRAFTERS)
+METHODS = ("none", *DRAFTERS, *TRAINED)
 
 
-def make_drafter(method: str) -> Drafter | None:
+def make_drafter(method: str, target: DecoderModel | None = None, target_name: str = "",
+                 drafter_path: Path | None = None) -> Drafter | None:
+    """The drafter of `method`. Trained methods load `drafter_path`, or the drafter shipped for the preset
+    `target_name`, around the target's embedding and head."""
     if method == "none":
         return None
-    if method not in DRAFTERS:
+    if method in DRAFTERS:
+        return DRAFTERS[method]()
+    if method not in TRAINED:
         raise ValueError(f"unknown method {method!r} (choose from {', '.join(METHODS)})")
-    return DRAFTERS[method]()
+    path = drafter_path or shipped_drafter(target_name, method)
+    if path is None:
+        raise DrafterLoadError(f"method {method} needs a trained drafter: no drafter is shipped for "
+                               f"{target_name or 'this model'}; train one (`specstand train`) and pass --drafter")
+    if target is None:
+        raise ValueError("a trained drafter needs its target model")
+    spec, _ = read_drafter(path)
+    if spec.method != method:
+        raise DrafterLoadError(f"drafter {path} is a {spec.method} drafter, not {method}")
+    return load_drafter(path, target.weights.embed_tokens, target.weights.lm_head)
 
 
-__all__ = ["DRAFTERS", "METHODS", "Draft", "Drafter", "NgramConfig", "SequenceView", "SuffixConfig", "make_drafter"]
+__all__ = ["DRAFTERS", "METHODS", "Draft", "Drafter", "DrafterLoadError", "HiddenRows", "NgramConfig",
+           "SequenceView", "SuffixConfig", "make_drafter"]

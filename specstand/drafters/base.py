@@ -2,7 +2,8 @@
 
 The engine owns the sequences and calls, in order: `begin` when a request is admitted, then per step
 `propose` (up to k tokens, optionally with their draft distributions) and `extend` with the tokens the
-target emitted, and `end` when the request finishes. Drafters never call back into the engine.
+target emitted (trained drafters also get the target's hidden states of the positions it just cached),
+and `end` when the request finishes. Drafters never call back into the engine.
 """
 
 from __future__ import annotations
@@ -27,6 +28,24 @@ class SequenceView:
 
 
 @dataclass
+class HiddenRows:
+    """Target hidden states of consecutive positions start, start + 1, ...: layer -> [rows, hidden]."""
+
+    start: int
+    taps: dict[int, torch.Tensor]
+
+    @property
+    def rows(self) -> int:
+        return len(next(iter(self.taps.values()))) if self.taps else 0
+
+    def positions(self) -> torch.Tensor:
+        return self.start + torch.arange(self.rows)
+
+    def concat(self, layers: tuple[int, ...], dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        return torch.cat([self.taps[layer].to(dtype) for layer in layers], dim=-1)
+
+
+@dataclass
 class Draft:
     tokens: list[int]
     probs: torch.Tensor | None = None  # [len(tokens), vocab]; None means one-hot (no probabilities)
@@ -43,8 +62,12 @@ class Drafter(ABC):
     def propose(self, seq: SequenceView, max_tokens: int) -> Draft:
         """Up to `max_tokens` guessed tokens following `seq.token_ids`."""
 
-    def extend(self, seq: SequenceView, new_tokens: list[int]) -> None:  # noqa: B027 - optional hook
-        """`new_tokens` were appended to `seq.token_ids` (accepted draft + target token)."""
+    def extend(  # noqa: B027 - optional hook
+        self, seq: SequenceView, new_tokens: list[int], hidden: HiddenRows | None = None
+    ) -> None:
+        """`new_tokens` were appended to `seq.token_ids` (accepted draft + target token). `hidden` holds
+        the target's `tap_layers` at the positions that entered its cache with this pass (only for
+        drafters that ask for taps)."""
 
     def end(self, seq: SequenceView) -> None:  # noqa: B027 - optional hook
         """The request finished; `seq.output_ids` is its answer."""

@@ -14,7 +14,7 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass
 
-from specstand.drafters.base import Draft, Drafter, SequenceView
+from specstand.drafters.base import Draft, Drafter, HiddenRows, SequenceView
 
 
 class _Node:
@@ -127,7 +127,7 @@ class SuffixDrafter(Drafter):
         shared = self.global_tree.best_draft(context, max_tokens, cfg.min_token_prob, cfg.max_spec_factor)
         return Draft(max(local, shared, key=lambda candidate: candidate[1])[0])
 
-    def extend(self, seq: SequenceView, new_tokens: list[int]) -> None:
+    def extend(self, seq: SequenceView, new_tokens: list[int], hidden: HiddenRows | None = None) -> None:
         tree = self._local[seq.request_id]
         for token in new_tokens:
             tree.append(token)

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from specstand.drafters import Draft, Drafter, SequenceView
+from specstand.drafters import Draft, Drafter, HiddenRows, SequenceView
 from specstand.engine.request import GenerationResult, Request, StepEvent
 from specstand.engine.stats import DecodeStats
 from specstand.runner import PassInput, TargetRunner
@@ -71,6 +71,7 @@ class Engine:
         self.drafter = drafter
         self.runner = TargetRunner(model, config.max_batch, config.max_seq_len)
         self.width = config.num_speculative_tokens + 1
+        self.tap_layers = drafter.tap_layers if drafter is not None else ()
         self.row_unit = row_unit(self.runner, self.width) if config.exact else 1
         if self.row_unit == 0:
             raise ExactnessError(
@@ -135,12 +136,14 @@ class Engine:
         outputs = self.runner.run(
             [PassInput(s.slot, [s.seq.token_ids[-1], *d.tokens]) for (_, s), d in zip(running, drafts, strict=True)],
             width,
+            self.tap_layers,
         )
         for (request_id, state), draft, output in zip(running, drafts, outputs, strict=True):
             verdict = self._verify(state, draft, output.logits)
-            cache_len = len(state.seq.token_ids) + verdict.accepted  # pending token + accepted drafts
-            self.runner.cache.rollback(state.slot, cache_len)
-            events.append(self._emit(request_id, state, verdict, drafted=len(draft.tokens)))
+            cache_start = len(state.seq.token_ids) - 1
+            self.runner.cache.rollback(state.slot, cache_start + 1 + verdict.accepted)  # pending + accepted
+            hidden = HiddenRows(cache_start, {k: t[: verdict.accepted + 1] for k, t in output.taps.items()})
+            events.append(self._emit(request_id, state, verdict, len(draft.tokens), hidden))
         return events
 
     def _admit(self) -> list[StepEvent]:
@@ -159,9 +162,10 @@ class Engine:
             self._running[request_id] = state
             if self.drafter is not None:
                 self.drafter.begin(state.seq)
-            logits = self.runner.prefill(slot, request.prompt_ids).logits
+            prefill = self.runner.prefill(slot, request.prompt_ids, self.tap_layers)
             self._prompts[slot] = list(request.prompt_ids)
-            events.append(self._emit(request_id, state, self._verify(state, Draft([]), logits), drafted=0))
+            verdict = self._verify(state, Draft([]), prefill.logits)
+            events.append(self._emit(request_id, state, verdict, 0, HiddenRows(reused, prefill.taps)))
         return events
 
     def _reusable_slot(self, prompt: list[int]) -> tuple[int, int]:
@@ -206,7 +210,7 @@ class Engine:
             return verify_greedy(draft.tokens, logits)
         return verify_sampled(draft.tokens, draft.probs, target_probs(logits, params), state.generator)
 
-    def _emit(self, request_id: int, state: _Running, verdict: Verdict, drafted: int) -> StepEvent:
+    def _emit(self, request_id: int, state: _Running, verdict: Verdict, drafted: int, hidden: HiddenRows) -> StepEvent:
         request = state.request
         tokens = verdict.tokens[: request.max_tokens - state.emitted]
         stop_at = next((i for i, t in enumerate(tokens) if t in request.stop_token_ids), None)
@@ -215,7 +219,7 @@ class Engine:
         state.stats.record_pass(drafted, verdict.accepted, len(tokens))
         state.seq.token_ids.extend(tokens)
         if self.drafter is not None:
-            self.drafter.extend(state.seq, tokens)
+            self.drafter.extend(state.seq, tokens, hidden if self.tap_layers else None)
         if stop_at is None and state.emitted < request.max_tokens:
             return StepEvent(request_id, tokens)
         del self._running[request_id]

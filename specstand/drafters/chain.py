@@ -1,0 +1,125 @@
+"""The token-by-token drafter core shared by EAGLE-3 and the MTP head (see eagle3.py, mtp.py).
+
+One decoder layer whose attention reads [norm(embedding of token x_{j+1}) ++ norm(feature_j)] (2H) with
+the feature as residual; its output, normed, goes through an LM head over the draft vocabulary.
+Row j: feature = the target's hidden state(s) at position j (fused by `fc` when several are tapped),
+token x_{j+1}, rope position j; it predicts x_{j+2}. Drafting step s > 1 replaces the feature with the
+drafter's own output of the previous step (training-time test reproduces exactly that).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from specstand.drafters.base import Draft, Drafter, HiddenRows, SequenceView
+from specstand.drafters.nn import DecoderLayer, DrafterSpec, RMSNorm
+from specstand.drafters.target_parts import TargetParts
+
+
+class ChainModel(nn.Module):
+    def __init__(self, spec: DrafterSpec, target: TargetParts, draft_to_target: torch.Tensor,
+                 trainable_head: bool) -> None:
+        super().__init__()
+        self.spec = spec
+        h = spec.hidden_size
+        self.fc = nn.Linear(len(spec.tap_layers) * h, h, bias=False) if len(spec.tap_layers) > 1 else None
+        self.hidden_norm = RMSNorm(h, spec.rms_eps)
+        self.layers = nn.ModuleList([DecoderLayer(spec, attention_input=2 * h)])
+        self.norm = RMSNorm(h, spec.rms_eps)
+        self.register_buffer("d2t", draft_to_target, persistent=True)
+        self.target = target.frozen_for(draft_to_target)
+        self.lm_head = None
+        if trainable_head:  # EAGLE-3 learns its own head, starting from the target's rows
+            self.lm_head = nn.Linear(h, len(draft_to_target), bias=False)
+            self.lm_head.weight.data.copy_(self.target.lm_head)
+
+    def features(self, taps: torch.Tensor) -> torch.Tensor:
+        return taps if self.fc is None else self.fc(taps)
+
+    def step(self, tokens: torch.Tensor, features: torch.Tensor, positions: torch.Tensor,
+             bias: torch.Tensor | None, past: tuple | None) -> tuple[torch.Tensor, tuple]:
+        layer = self.layers[0]
+        x = torch.cat([layer.input_layernorm(self.target.embed(tokens)), self.hidden_norm(features)], dim=-1)
+        attn, own = layer.self_attn(x, positions, bias, past)
+        return layer.mlp_block(features + attn), own
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        normed = self.norm(hidden)
+        return self.target.head(normed) if self.lm_head is None else self.lm_head(normed)
+
+    def training_hidden(self, taps: torch.Tensor, tokens: torch.Tensor, positions: torch.Tensor,
+                        docs: torch.Tensor, steps: int) -> list[torch.Tensor]:
+        """Training-time test over a packed row: output hidden states [T, H] of every row j at each of
+        `steps` drafting steps (the loss takes `logits` of the rows it scores only). At step s, row j is the s-th draft after real row j-s+1: it sees real rows up to
+        j-s+1 and its own chain's rows of steps 2..s (one each, on the diagonal), never other chains."""
+        count = len(tokens)
+        index = torch.arange(count)
+        same_doc = docs[:, None] == docs[None, :]
+        next_tokens = torch.cat([tokens[1:], tokens[-1:]])  # row j reads x_{j+1} (last row: unused)
+        feature = self.features(taps)
+        keys, values, outputs = [], [], []
+        for s in range(1, steps + 1):
+            blocks = [(index[None, :] <= index[:, None] - s + 1) & same_doc]  # real rows of the chain
+            blocks += [(index[None, :] == index[:, None] - (s - t)) & same_doc for t in range(2, s + 1)]
+            visible = torch.cat(blocks, dim=1)
+            if s == 1:
+                visible = visible | torch.eye(count, dtype=torch.bool)
+            bias = torch.zeros(visible.shape).masked_fill(~visible, float("-inf"))
+            past = (torch.cat(keys, 1), torch.cat(values, 1)) if keys else None
+            hidden, (k, v) = self.step(next_tokens, feature, positions, bias, past)
+            keys.append(k)
+            values.append(v)
+            outputs.append(hidden)
+            feature = torch.cat([hidden[:1], hidden[:-1]])  # row j now continues from row j-1's output
+        return outputs
+
+
+class ChainDrafter(Drafter):
+    """Inference: keeps the layer's keys/values of real rows per request; drafts one token per step."""
+
+    def __init__(self, model: ChainModel, name: str) -> None:
+        self.model = model.eval()
+        self.name = name
+        self.tap_layers = tuple(model.spec.tap_layers)
+        self._past: dict[int, tuple | None] = {}
+        self._last: dict[int, torch.Tensor] = {}  # request -> output of its last real row
+
+    def begin(self, seq: SequenceView) -> None:
+        self._past[seq.request_id] = None
+
+    @torch.inference_mode()
+    def extend(self, seq: SequenceView, new_tokens: list[int], hidden: HiddenRows | None = None) -> None:
+        if hidden is None or not hidden.rows:
+            return
+        rows = hidden.rows
+        tokens = torch.tensor(seq.token_ids[hidden.start + 1 : hidden.start + 1 + rows])
+        past = self._past[seq.request_id]
+        before = 0 if past is None else past[0].shape[1]
+        causal = torch.arange(rows)[None, :] <= torch.arange(rows)[:, None]
+        bias = torch.cat([torch.zeros(rows, before), torch.zeros(rows, rows).masked_fill(~causal, float("-inf"))], 1)
+        features = self.model.features(hidden.concat(self.tap_layers))
+        out, own = self.model.step(tokens, features, hidden.positions(), bias, past)
+        self._past[seq.request_id] = own if past is None else (
+            torch.cat([past[0], own[0]], 1), torch.cat([past[1], own[1]], 1))
+        self._last[seq.request_id] = out[-1:]
+
+    @torch.inference_mode()
+    def propose(self, seq: SequenceView, max_tokens: int) -> Draft:
+        last = self._last.get(seq.request_id)
+        if last is None or max_tokens <= 0:
+            return Draft([])
+        past = self._past[seq.request_id]
+        draft = [int(self.model.logits(last).argmax(-1))]
+        position = len(seq.token_ids) - 1
+        while len(draft) < max_tokens:
+            token = self.model.d2t[draft[-1:]]
+            last, own = self.model.step(token, last, torch.tensor([position]), None, past)
+            past = (torch.cat([past[0], own[0]], 1), torch.cat([past[1], own[1]], 1))
+            draft.append(int(self.model.logits(last).argmax(-1)))
+            position += 1
+        return Draft(self.model.d2t[draft].tolist())
+
+    def end(self, seq: SequenceView) -> None:
+        self._past.pop(seq.request_id, None)
+        self._last.pop(seq.request_id, None)

@@ -1,0 +1,116 @@
+"""DFlash: block diffusion drafting, one drafter pass per block.
+
+Context: the target's hidden states at several depths, concatenated, projected by `fc` and normed
+(`hidden_norm`). In every drafter layer the queries come from the block only, while keys/values are
+k_proj/v_proj of the context followed by those of the block. The block is [last emitted token, MASK x
+(B-1)] at its real positions; attention inside the block is non-causal, so all B-1 drafts come out of ONE
+pass. Embedding and LM head rows are the target's (frozen, not saved); the head covers a draft vocabulary.
+
+Position convention (shared with training): context row j is the target's hidden state at position j;
+block row 0 is the token at position n-1 (not yet seen by the target), row i predicts position n-1+i.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from specstand.drafters.base import Draft, Drafter, HiddenRows, SequenceView
+from specstand.drafters.nn import DecoderLayer, DrafterSpec, RMSNorm, document_bias
+from specstand.drafters.target_parts import TargetParts
+
+
+class DFlashModel(nn.Module):
+    def __init__(self, spec: DrafterSpec, target: TargetParts, draft_to_target: torch.Tensor) -> None:
+        super().__init__()
+        self.spec = spec
+        h = spec.hidden_size
+        self.fc = nn.Linear(len(spec.tap_layers) * h, h, bias=False)
+        self.hidden_norm = RMSNorm(h, spec.rms_eps)
+        self.layers = nn.ModuleList(DecoderLayer(spec) for _ in range(spec.num_layers))
+        self.norm = RMSNorm(h, spec.rms_eps)
+        self.register_buffer("d2t", draft_to_target, persistent=True)
+        self.target = target.frozen_for(draft_to_target)
+
+    def context(self, taps: torch.Tensor) -> torch.Tensor:
+        """Fused context rows [T, H] from concatenated taps [T, len(tap_layers) * H]."""
+        return self.hidden_norm(self.fc(taps))
+
+    def context_keys_values(self, context: torch.Tensor, positions: torch.Tensor) -> list[tuple]:
+        return [layer.self_attn.keys_values(context, positions) for layer in self.layers]
+
+    def block_logits(
+        self, block_tokens: torch.Tensor, positions: torch.Tensor, past: list[tuple], bias: torch.Tensor | None
+    ) -> torch.Tensor:
+        """Draft-vocabulary logits [rows, draft vocab] of block rows (tokens [rows]) over per-layer
+        context keys/values `past`. `bias` [rows, context + rows]: None = everything visible."""
+        hidden = self.target.embed(block_tokens)
+        for layer, kv in zip(self.layers, past, strict=True):
+            attn, _ = layer.self_attn(layer.input_layernorm(hidden), positions, bias, kv)
+            hidden = layer.mlp_block(hidden + attn)
+        return self.target.head(self.norm(hidden))
+
+    def training_logits(self, taps: torch.Tensor, tokens: torch.Tensor, positions: torch.Tensor,
+                        docs: torch.Tensor, anchors: torch.Tensor) -> torch.Tensor:
+        """Logits [anchors, B, draft vocab] of blocks starting at `anchors` (indices into the packed row),
+        all in one pass: each block sees the context strictly before its anchor (same document) and its
+        own rows, never another block."""
+        b = self.spec.block_size
+        offsets = torch.arange(b)
+        block_index = (anchors[:, None] + offsets[None]).clamp_max(len(tokens) - 1)  # [A, B]
+        block_tokens = torch.full_like(block_index, self.spec.mask_token_id)
+        block_tokens[:, 0] = tokens[anchors]
+        block_positions = positions[anchors][:, None] + offsets[None]
+        block_docs = docs[anchors][:, None].expand(-1, b)
+        context = self.context(taps)
+        past = self.context_keys_values(context, positions)
+        rows = len(anchors) * b
+        sees_context = torch.arange(len(tokens))[None, :] < anchors.repeat_interleave(b)[:, None]
+        owner = torch.arange(len(anchors)).repeat_interleave(b)
+        sees_block = owner[:, None] == owner[None, :]
+        bias = torch.cat([
+            document_bias(block_docs.reshape(-1), docs, sees_context),
+            torch.zeros(rows, rows).masked_fill(~sees_block, float("-inf")),
+        ], dim=1)
+        logits = self.block_logits(block_tokens.reshape(-1), block_positions.reshape(-1), past, bias)
+        return logits.view(len(anchors), b, -1)
+
+
+class DFlashDrafter(Drafter):
+    name = "dflash"
+
+    def __init__(self, model: DFlashModel) -> None:
+        self.model = model.eval()
+        self.tap_layers = tuple(model.spec.tap_layers)
+        self._context: dict[int, list[tuple]] = {}  # request -> per-layer context keys/values
+
+    def begin(self, seq: SequenceView) -> None:
+        self._context[seq.request_id] = []
+
+    @torch.inference_mode()
+    def extend(self, seq: SequenceView, new_tokens: list[int], hidden: HiddenRows | None = None) -> None:
+        if hidden is None or not hidden.rows:
+            return
+        positions = hidden.positions()
+        new = self.model.context_keys_values(self.model.context(hidden.concat(self.tap_layers)), positions)
+        old = self._context[seq.request_id]
+        self._context[seq.request_id] = new if not old else [
+            (torch.cat([ok, nk], 1), torch.cat([ov, nv], 1)) for (ok, ov), (nk, nv) in zip(old, new, strict=True)
+        ]
+
+    @torch.inference_mode()
+    def propose(self, seq: SequenceView, max_tokens: int) -> Draft:
+        past = self._context.get(seq.request_id)
+        if not past or max_tokens <= 0:
+            return Draft([])
+        b = self.model.spec.block_size
+        tokens = torch.full((b,), self.model.spec.mask_token_id)
+        tokens[0] = seq.token_ids[-1]
+        positions = len(seq.token_ids) - 1 + torch.arange(b)
+        logits = self.model.block_logits(tokens, positions, past, None)
+        draft = self.model.d2t[logits[1:].argmax(-1)]
+        return Draft(draft[:max_tokens].tolist())
+
+    def end(self, seq: SequenceView) -> None:
+        self._context.pop(seq.request_id, None)
+

@@ -1,0 +1,142 @@
+"""Building blocks of the trained drafters: a small Llama-style decoder layer whose attention can take
+extra keys/values (DFlash's target context) and an arbitrary additive mask (training-time test, packed
+rows, non-causal blocks). Parameter names follow Hugging Face Llama, so checkpoints map onto the
+`speculators` tensor names one to one.
+
+Drafter outputs need not be bit-exact (the target verifies every token), so this uses SDPA freely.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+@dataclass
+class DrafterSpec:
+    """Everything needed to rebuild a trained drafter around its target (saved with the weights)."""
+
+    method: str  # eagle3 | dflash | mtp
+    target: str  # the verifier: preset name or path
+    target_architecture: str
+    target_vocab_size: int
+    hidden_size: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate_size: int
+    num_layers: int
+    rms_eps: float
+    rope_theta: float
+    tap_layers: list[int]  # target hidden states read (HF numbering: 0 = embeddings, L = final normed)
+    draft_vocab_size: int
+    block_size: int = 0  # dflash: block = last token + (block_size - 1) masks
+    mask_token_id: int = 0  # dflash: the token id whose embedding marks a position to predict
+    train_steps: int = 3  # eagle3/mtp: unrolled steps of the training-time test
+    trained: dict = field(default_factory=dict)  # data, steps, time, held-out figures (the model card)
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), indent=1)
+
+    @classmethod
+    def from_json(cls, text: str) -> DrafterSpec:
+        return cls(**json.loads(text))
+
+
+def rope(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.Tensor:
+    """Rotary embedding, half-split layout, x [..., T, D] with positions [T]."""
+    half = x.shape[-1] // 2
+    freqs = positions.float()[:, None] / theta ** (torch.arange(half, dtype=torch.float32) / half)
+    cos, sin = freqs.cos().to(x.dtype), freqs.sin().to(x.dtype)
+    x1, x2 = x[..., :half], x[..., half:]
+    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, size: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
+
+
+class Attention(nn.Module):
+    def __init__(self, spec: DrafterSpec, input_size: int) -> None:
+        super().__init__()
+        self.spec = spec
+        d = spec.head_dim
+        self.q_proj = nn.Linear(input_size, spec.num_heads * d, bias=False)
+        self.k_proj = nn.Linear(input_size, spec.num_kv_heads * d, bias=False)
+        self.v_proj = nn.Linear(input_size, spec.num_kv_heads * d, bias=False)
+        self.o_proj = nn.Linear(spec.num_heads * d, spec.hidden_size, bias=False)
+
+    def keys_values(self, x: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Roped keys and values [kv heads, T, D] of rows x [T, input]."""
+        d = self.spec.head_dim
+        k = self.k_proj(x).view(len(x), -1, d).transpose(0, 1)
+        v = self.v_proj(x).view(len(x), -1, d).transpose(0, 1)
+        return rope(k, positions, self.spec.rope_theta), v
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        positions: torch.Tensor,
+        bias: torch.Tensor | None,
+        past: tuple[torch.Tensor, torch.Tensor] | None = None,
+    ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
+        """Rows x [T, input] attend over `past` keys/values (first) and their own. `bias` [T, past + T] is
+        added to the scores (None: every key visible). Returns the output and the rows' own keys/values."""
+        d = self.spec.head_dim
+        q = rope(self.q_proj(x).view(len(x), -1, d).transpose(0, 1), positions, self.spec.rope_theta)
+        own = self.keys_values(x, positions)
+        k, v = own if past is None else (torch.cat([past[0], own[0]], 1), torch.cat([past[1], own[1]], 1))
+        mask = None if bias is None else bias.to(q.dtype)
+        out = F.scaled_dot_product_attention(q[None], k[None], v[None], attn_mask=mask, enable_gqa=True)[0]
+        return self.o_proj(out.transpose(0, 1).reshape(len(x), -1)), own
+
+
+class MLP(nn.Module):
+    def __init__(self, spec: DrafterSpec) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(spec.hidden_size, spec.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(spec.hidden_size, spec.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(spec.intermediate_size, spec.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    """Pre-norm attention + MLP. `attention_input` is 2H for EAGLE-3's layer (embedding ++ hidden)."""
+
+    def __init__(self, spec: DrafterSpec, attention_input: int | None = None) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(spec.hidden_size, spec.rms_eps)
+        self.self_attn = Attention(spec, attention_input or spec.hidden_size)
+        self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_eps)
+        self.mlp = MLP(spec)
+
+    def mlp_block(self, hidden: torch.Tensor) -> torch.Tensor:
+        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+
+
+def draft_vocabulary(response_ids: list[list[int]], size: int, vocab_size: int) -> torch.Tensor:
+    """The `size` most frequent response tokens (ties broken by id), sorted: draft id -> target id."""
+    counts = torch.zeros(vocab_size, dtype=torch.int64)
+    for ids in response_ids:
+        counts += torch.bincount(torch.tensor(ids, dtype=torch.int64), minlength=vocab_size)
+    size = min(size, vocab_size)
+    order = torch.argsort(-counts * vocab_size + torch.arange(vocab_size))  # by count, then by id
+    return torch.sort(order[:size]).values
+
+
+def document_bias(query_docs: torch.Tensor, key_docs: torch.Tensor, visible: torch.Tensor) -> torch.Tensor:
+    """Additive mask: 0 where `visible` and both rows belong to the same packed document, else -inf."""
+    allowed = visible & (query_docs[:, None] == key_docs[None, :])
+    return torch.zeros(allowed.shape).masked_fill(~allowed, float("-inf"))

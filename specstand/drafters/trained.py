@@ -1,0 +1,108 @@
+"""Trained drafters on disk: one folder with `model.safetensors` (the drafter's own weights in bf16, its
+`d2t` map and, in the metadata, its `DrafterSpec`) and a readable `config.json` copy of the spec. The
+target's embedding and head are not saved: they are taken from the target when the drafter is loaded.
+
+Shipped drafters live in the repository under drafters/<model>/<method>/ (see `shipped_drafter`).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+from torch import nn
+
+from specstand.drafters.base import Drafter
+from specstand.drafters.chain import ChainModel
+from specstand.drafters.dflash import DFlashDrafter, DFlashModel
+from specstand.drafters.eagle3 import build_eagle3, eagle3_drafter, eagle3_tap_layers
+from specstand.drafters.mtp import build_mtp, mtp_drafter, mtp_tap_layers
+from specstand.drafters.nn import DrafterSpec
+from specstand.drafters.target_parts import TargetParts
+
+SHIPPED_ROOT = Path(__file__).resolve().parents[2] / "drafters"
+WEIGHTS = "model.safetensors"
+
+
+def dflash_tap_layers(num_layers: int, count: int = 5) -> list[int]:
+    """`count` layer outputs spread from layer 1 to layer L-3 (z-lab's spacing), in HF numbering."""
+    last = max(num_layers - 3, 1)
+    ids = {round(1 + i * (last - 1) / max(count - 1, 1)) for i in range(count)}
+    return sorted(i + 1 for i in ids)
+
+
+# method -> (default taps for a target of L layers, model builder, inference wrapper)
+TRAINED: dict[str, tuple[Callable[[int], list[int]], Callable, Callable[[nn.Module], Drafter]]] = {
+    "eagle3": (eagle3_tap_layers, build_eagle3, eagle3_drafter),
+    "mtp": (mtp_tap_layers, build_mtp, mtp_drafter),
+    "dflash": (dflash_tap_layers, DFlashModel, DFlashDrafter),
+}
+
+
+class DrafterLoadError(ValueError):
+    pass
+
+
+def build_model(spec: DrafterSpec, target: TargetParts, draft_to_target: torch.Tensor) -> ChainModel | DFlashModel:
+    if spec.method not in TRAINED:
+        raise DrafterLoadError(f"unknown trained method {spec.method!r} (choose from {', '.join(TRAINED)})")
+    return TRAINED[spec.method][1](spec, target, draft_to_target)
+
+
+def drafter_state(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The drafter's own tensors (the borrowed target parts excluded)."""
+    return {k: v for k, v in model.state_dict().items() if not k.startswith("target.")}
+
+
+def save_drafter(model: ChainModel | DFlashModel, folder: Path) -> None:
+    """Write weights then config, each to a temporary name renamed into place: a crash never leaves a
+    half-written file under the final name."""
+    folder.mkdir(parents=True, exist_ok=True)
+    tensors = {k: (v if k == "d2t" else v.to(torch.bfloat16)).contiguous() for k, v in drafter_state(model).items()}
+    tmp = folder / f".{WEIGHTS}.tmp"
+    save_file(tensors, str(tmp), metadata={"spec": model.spec.to_json()})
+    os.replace(tmp, folder / WEIGHTS)
+    tmp = folder / ".config.json.tmp"
+    tmp.write_text(model.spec.to_json() + "\n")
+    os.replace(tmp, folder / "config.json")
+
+
+def read_drafter(folder: Path) -> tuple[DrafterSpec, dict[str, torch.Tensor]]:
+    path = Path(folder) / WEIGHTS
+    if not path.is_file():
+        raise DrafterLoadError(f"{folder} holds no trained drafter ({WEIGHTS} missing)")
+    with safe_open(str(path), framework="pt") as f:
+        metadata = f.metadata() or {}
+        if "spec" not in metadata:
+            raise DrafterLoadError(f"{path} carries no specstand drafter spec (import other formats first)")
+        return DrafterSpec.from_json(metadata["spec"]), {k: f.get_tensor(k) for k in f.keys()}
+
+
+def load_drafter_model(folder: Path, embed_tokens: torch.Tensor, lm_head: torch.Tensor) -> ChainModel | DFlashModel:
+    spec, tensors = read_drafter(folder)
+    if lm_head.shape[0] != spec.target_vocab_size or lm_head.shape[1] != spec.hidden_size:
+        raise DrafterLoadError(
+            f"drafter {folder} was trained for a target with vocab {spec.target_vocab_size} and hidden size "
+            f"{spec.hidden_size}, not {lm_head.shape[0]} x {lm_head.shape[1]}"
+        )
+    model = build_model(spec, TargetParts(embed_tokens, lm_head), tensors["d2t"])
+    missing, unexpected = model.load_state_dict({k: v.float() if k != "d2t" else v for k, v in tensors.items()},
+                                                strict=False)
+    missing = [k for k in missing if not k.startswith("target.")]
+    if missing or unexpected:
+        raise DrafterLoadError(f"drafter {folder} does not match its spec: missing {missing}, unexpected {unexpected}")
+    return model.eval()
+
+
+def load_drafter(folder: Path, embed_tokens: torch.Tensor, lm_head: torch.Tensor) -> Drafter:
+    model = load_drafter_model(folder, embed_tokens, lm_head)
+    return TRAINED[model.spec.method][2](model)
+
+
+def shipped_drafter(model_name: str, method: str) -> Path | None:
+    folder = SHIPPED_ROOT / model_name / method
+    return folder if (folder / WEIGHTS).is_file() else None

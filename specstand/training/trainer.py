@@ -1,0 +1,241 @@
+"""`specstand train`: online distillation of a drafter from the frozen target.
+
+Every step takes one pack of training rows; the target computes their hidden states inside the loop
+(kept in memory for later epochs, never written out), the drafter's loss is taken on response positions
+only, AdamW with a linear warm-up/decay schedule updates the drafter. Checkpoints are written to a
+temporary name and renamed, so an interrupted run resumes from the last one, step for step: the data
+order and every random draw are functions of (seed, step), not of the run's history.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from specstand.drafters.chain import ChainModel
+from specstand.drafters.dflash import DFlashModel
+from specstand.drafters.nn import DrafterSpec, draft_vocabulary
+from specstand.drafters.target_parts import TargetParts
+from specstand.drafters.trained import TRAINED, build_model, drafter_state, save_drafter
+from specstand.models import LoadedModel
+from specstand.training.data import load_rows
+from specstand.training.features import Pack, RowFeatures, TargetFeatures, pack_rows, plan_packs
+from specstand.training.losses import chain_step_loss, dflash_loss, dpace_weights, target_to_draft
+
+TRAINER_STATE = "trainer.pt"
+
+
+@dataclass
+class TrainConfig:
+    method: str
+    data: str
+    out: str
+    steps: int = 500
+    lr: float = 1e-3
+    weight_decay: float = 0.01
+    warmup: float = 0.05  # share of steps with a linearly rising rate; then linear decay to 0
+    pack_tokens: int = 2048
+    max_len: int = 2048
+    seed: int = 0
+    save_every: int = 50
+    num_layers: int = 0  # 0: the method's default (dflash 2, eagle3/mtp 1)
+    intermediate_size: int = 0  # 0: the target's, capped at 1536 (sized for a CPU)
+    draft_vocab_size: int = 8192
+    num_taps: int = 5  # dflash: target layers read, spread over depth
+    block_size: int = 8  # dflash
+    anchors: int = 64  # dflash: blocks trained per pack
+    dpace_alpha: float = 0.5  # dflash: D-PACE smoothing
+    train_steps: int = 3  # eagle3/mtp: unrolled training-time-test steps
+    step_decay: float = 0.0  # eagle3/mtp: weight of step s is decay**(s-1); 0: method default
+    extra: dict = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.method not in TRAINED:
+            raise ValueError(f"unknown trained method {self.method!r} (choose from {', '.join(TRAINED)})")
+        if self.steps < 1 or self.save_every < 1 or self.pack_tokens < 16:
+            raise ValueError("--steps and --save-every must be >= 1, --pack-tokens >= 16")
+        if self.method == "dflash" and self.block_size < 2:
+            raise ValueError("a DFlash block needs at least 2 positions")
+
+    @property
+    def decay(self) -> float:
+        return self.step_decay or {"eagle3": 0.8, "mtp": 0.6}.get(self.method, 1.0)
+
+
+def make_spec(config: TrainConfig, target: LoadedModel, mask_token_id: int) -> DrafterSpec:
+    shape = target.decoder.shape
+    taps = {"dflash": lambda n: TRAINED["dflash"][0](n, config.num_taps)}.get(config.method, TRAINED[config.method][0])
+    intermediate = config.intermediate_size or min(target.decoder.weights.layers[0].down.shape[1], 1536)
+    arch = json.loads((Path(target.path) / "config.json").read_text()).get("architectures", [""])[0] \
+        if (Path(target.path) / "config.json").is_file() else ""
+    return DrafterSpec(
+        method=config.method, target=target.name, target_architecture=arch, target_vocab_size=shape.vocab_size,
+        hidden_size=shape.hidden_size, num_heads=shape.num_heads, num_kv_heads=shape.num_kv_heads,
+        head_dim=shape.head_dim, intermediate_size=intermediate,
+        num_layers=config.num_layers or (2 if config.method == "dflash" else 1), rms_eps=shape.rms_eps,
+        rope_theta=10000.0, tap_layers=list(taps(shape.num_layers)), draft_vocab_size=config.draft_vocab_size,
+        block_size=config.block_size if config.method == "dflash" else 0, mask_token_id=mask_token_id,
+        train_steps=config.train_steps if config.method != "dflash" else 0,
+    )
+
+
+def pick_mask_token(target: LoadedModel, responses: list[list[int]]) -> int:
+    """DFlash's mask: the tokenizer's pad token when it is not a stop token, else the lowest id never seen
+    in a response (its embedding is a fixed, distinct vector; that is all a mask needs)."""
+    pad = getattr(target.tokenizer, "pad_token_id", None)
+    if pad is not None and pad not in target.stop_token_ids:
+        return int(pad)
+    seen = {t for r in responses for t in r}
+    norms = target.decoder.weights.embed_tokens.float().norm(dim=-1)
+    return next(i for i in range(len(norms)) if i not in seen and norms[i] > 0)
+
+
+def learning_rate(config: TrainConfig, step: int) -> float:
+    warmup = max(int(config.warmup * config.steps), 1)
+    return config.lr * min(1.0, (step + 1) / warmup) * max(0.0, 1 - step / config.steps)
+
+
+def dflash_objective(model: DFlashModel, pack: Pack, t2d: torch.Tensor, config: TrainConfig,
+                     generator: torch.Generator, running_q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Loss, q per position (for D-PACE) and accepted-prefix rate per position over sampled anchors."""
+    count, b = len(pack.tokens), model.spec.block_size
+    label = pack.next_label
+    # an anchor holds an emitted response token (chosen at a-1) with at least one response token after it
+    candidates = torch.nonzero((label[:-1] >= 0) & (label[1:] >= 0)).flatten() + 1
+    anchors = candidates[torch.randperm(len(candidates), generator=generator)[: config.anchors]].sort().values
+    logits = model.training_logits(pack.taps, pack.tokens, pack.positions, pack.docs, anchors)[:, 1:]
+    source = anchors[:, None] + torch.arange(b - 1)[None]  # row i (1..B-1) is chosen at position a+i-1
+    inside = source < count
+    source = source.clamp_max(count - 1)
+    valid = inside & (label[source] >= 0) & (pack.docs[source] == pack.docs[anchors][:, None])
+    labels = torch.where(label[source] >= 0, t2d[label[source].clamp_min(0)], -1)
+    loss, q = dflash_loss(logits, labels, valid, dpace_weights(running_q, config.dpace_alpha))
+    hits = (logits.argmax(-1) == labels) & valid
+    return loss, q, torch.cumprod(hits.int(), dim=1).float().mean(0)
+
+
+def chain_objective(model: ChainModel, pack: Pack, t2d: torch.Tensor, config: TrainConfig,
+                    soft: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Loss over the unrolled steps and accepted-prefix rate per step (chains anchored at real rows)."""
+    steps = model.spec.train_steps
+    hidden = model.training_hidden(pack.taps, pack.tokens, pack.positions, pack.docs, steps)
+    count = len(pack.tokens)
+    index = torch.arange(count)
+    source = (index + 1).clamp_max(count - 1)  # row j predicts token j+2, chosen by the target at j+1
+    label = torch.where(index + 1 < count, pack.next_label[source], -1)
+    labels = torch.where(label >= 0, t2d[label.clamp_min(0)], -1)
+    total, norm = 0.0, 0.0
+    hits = torch.zeros(steps, count, dtype=torch.bool)
+    for s in range(1, steps + 1):
+        anchor = index - s + 1
+        valid = (label >= 0) & (anchor >= 0) & (pack.docs[anchor.clamp_min(0)] == pack.docs[source])
+        rows = torch.nonzero(valid).flatten()
+        if not len(rows):
+            continue
+        logits = model.logits(hidden[s - 1][rows])
+        target_logits = model.target.head(pack.final[source[rows]]) if soft else None
+        weight = config.decay ** (s - 1)
+        total = total + weight * chain_step_loss(logits, labels[rows], torch.ones(len(rows), dtype=torch.bool),
+                                                 target_logits)
+        norm += weight
+        hits[s - 1, rows] = logits.argmax(-1).detach() == labels[rows]
+    # chain anchored at real row a: its step s is row a+s-1
+    anchors = torch.nonzero(label >= 0).flatten()
+    survive = torch.ones(len(anchors), dtype=torch.bool)
+    prefix = []
+    for s in range(steps):
+        at = anchors + s
+        survive = survive & (at < count) & hits[s, at.clamp_max(count - 1)]
+        prefix.append(survive.float().mean() if len(anchors) else torch.tensor(0.0))
+    loss = total / norm if norm else torch.zeros((), requires_grad=True)
+    return loss, torch.stack(prefix)
+
+
+def _save_state(out: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer, step: int,
+                running_q: torch.Tensor, config: TrainConfig, elapsed: float) -> None:
+    state = {"step": step, "model": drafter_state(model), "optimizer": optimizer.state_dict(),
+             "running_q": running_q, "config": asdict(config), "spec": model.spec.to_json(), "elapsed_s": elapsed}
+    tmp = out / f".{TRAINER_STATE}.tmp"
+    torch.save(state, tmp)
+    os.replace(tmp, out / TRAINER_STATE)
+    save_drafter(model, out)
+
+
+def train(config: TrainConfig, target: LoadedModel, log=print) -> torch.nn.Module:
+    """Train (or resume) into config.out; returns the trained drafter model."""
+    torch.manual_seed(config.seed)
+    random.seed(config.seed)
+    out = Path(config.out)
+    out.mkdir(parents=True, exist_ok=True)
+    meta, rows = load_rows(Path(config.data))
+    rows = [r for r in rows if r.split == "train" and r.response_ids]
+    if not rows:
+        raise ValueError(f"{config.data} holds no training rows with a response")
+    state_path = out / TRAINER_STATE
+    state = torch.load(state_path, weights_only=False) if state_path.is_file() else None
+    if state is not None:
+        spec = DrafterSpec.from_json(state["spec"])
+        if spec.method != config.method or state["config"]["data"] != config.data:
+            raise ValueError(f"{out} holds a {spec.method} run on {state['config']['data']}; use another --out")
+        draft_ids = state["model"]["d2t"]
+    else:
+        responses = [r.response_ids for r in rows]
+        spec = make_spec(config, target, pick_mask_token(target, responses))
+        draft_ids = draft_vocabulary(responses, config.draft_vocab_size, spec.target_vocab_size)
+        spec.draft_vocab_size = len(draft_ids)
+    weights = target.decoder.weights
+    model = build_model(spec, TargetParts(weights.embed_tokens, weights.lm_head), draft_ids)
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=config.lr,
+                                  betas=(0.9, 0.95), weight_decay=config.weight_decay)
+    start, running_q, elapsed = 0, torch.zeros(max(spec.block_size - 1, 1)), 0.0
+    if state is not None:
+        model.load_state_dict(state["model"], strict=False)
+        optimizer.load_state_dict(state["optimizer"])
+        start, running_q, elapsed = state["step"], state["running_q"], state["elapsed_s"]
+        log(f"resuming {spec.method} from step {start} of {config.steps} ({out / TRAINER_STATE})")
+    t2d = target_to_draft(draft_ids, spec.target_vocab_size)
+    max_len = min(config.max_len, target.decoder.max_positions)
+    features = TargetFeatures(target.decoder, spec.tap_layers, max_len)
+    lengths = [min(len(r.prompt_ids) + len(r.response_ids), max_len) for r in rows]
+    schedule: list[list[int]] = []
+    epoch = 0
+    while len(schedule) < config.steps:  # a pure function of the seed: resuming replays the same order
+        order = torch.randperm(len(rows), generator=torch.Generator().manual_seed(config.seed * 7919 + epoch)).tolist()
+        schedule += plan_packs(lengths, config.pack_tokens, order)
+        epoch += 1
+    cached: dict[int, RowFeatures] = {}
+    model.train()
+    began = time.perf_counter() - elapsed
+    bar = tqdm(range(start, config.steps), initial=start, total=config.steps, desc=f"train {spec.method}")
+    for step in bar:
+        for i in schedule[step]:
+            if i not in cached:
+                cached[i] = features(rows[i].prompt_ids, rows[i].response_ids)
+        pack = pack_rows([cached[i] for i in schedule[step]])
+        for group in optimizer.param_groups:
+            group["lr"] = learning_rate(config, step)
+        generator = torch.Generator().manual_seed(config.seed * 1_000_003 + step)
+        if spec.method == "dflash":
+            loss, q, accepted = dflash_objective(model, pack, t2d, config, generator, running_q)
+            running_q = torch.where(torch.isnan(q), running_q, 0.9 * running_q + 0.1 * q)
+        else:
+            loss, accepted = chain_objective(model, pack, t2d, config, soft=spec.method == "eagle3")
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        bar.set_postfix_str(f"loss {loss.item():.3f} accepted@pos {' '.join(f'{a:.2f}' for a in accepted.tolist())}")
+        if (step + 1) % config.save_every == 0 or step + 1 == config.steps:
+            spec.trained = {"data": meta, "steps": step + 1, "train_rows": len(rows), "seconds": round(
+                time.perf_counter() - began, 1), "last_accepted_per_position": [round(a, 3) for a in accepted.tolist()],
+                **config.extra}
+            _save_state(out, model, optimizer, step + 1, running_q, config, time.perf_counter() - began)
+    model.eval()
+    return model

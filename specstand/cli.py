@@ -78,7 +78,7 @@ def build_parser() -> argparse.ArgumentParser:
                        help="an OpenAI-compatible server to measure (repeatable)")
     bench.add_argument("--model", default=None, help="start specstand servers for this model")
     bench.add_argument("--method", action="append", default=[], help="method(s) to serve (repeatable or a,b,c)")
-    bench.add_argument("--k", type=int, default=5)
+    bench.add_argument("--k", type=int, default=None, help="draft tokens per pass (default 5; DFlash: block - 1)")
     bench.add_argument("--dtype", default="bf16", choices=["bf16", "fp32"])
     bench.add_argument("--max-seq-len", type=int, default=2048)
     bench.add_argument("--max-batch", type=int, default=4)
@@ -86,14 +86,66 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--repeats", type=int, default=3)
     bench.add_argument("--limit-turns", type=int, default=None)
     bench.add_argument("--baseline", default=None, help="target the others are compared with (default: first)")
+    bench.add_argument("--drafter", action="append", type=Path, default=[],
+                       help="trained drafter folder for its method (repeatable; default: the shipped one)")
     bench.add_argument("--out", type=Path, required=True)
+    _training_parsers(commands)
     return parser
+
+
+def _training_parsers(commands) -> None:
+    data = commands.add_parser("train-data", help="the target answers a workload's calls: drafter training rows")
+    data.add_argument("--model", default="smollm2-135m")
+    data.add_argument("--workload", type=Path, action="append", required=True, help="workload JSONL (repeatable)")
+    data.add_argument("--out", type=Path, required=True)
+    data.add_argument("--heldout", type=float, default=0.15, help="share of turns held out for evaluation")
+    data.add_argument("--limit-calls", type=int, default=None, help="answer at most this many calls")
+    data.add_argument("--temperature", type=float, default=0.0, help="0: greedy answers")
+    data.add_argument("--seed", type=int, default=0)
+    data.add_argument("--max-batch", type=int, default=4)
+    data.add_argument("--dtype", default="bf16", choices=["bf16", "fp32"])
+    data.add_argument("--max-seq-len", type=int, default=2048)
+
+    train = commands.add_parser("train", help="online distillation of a drafter from the frozen target")
+    train.add_argument("--method", required=True, help="eagle3, dflash or mtp")
+    train.add_argument("--model", default="smollm2-135m")
+    train.add_argument("--data", type=Path, required=True, help="a `train-data` folder")
+    train.add_argument("--out", type=Path, required=True, help="checkpoint folder (resumed when it holds one)")
+    train.add_argument("--dtype", default="bf16", choices=["bf16", "fp32"])
+    for name, kind, default in [("steps", int, 500), ("lr", float, 1e-3), ("pack-tokens", int, 2048),
+                                ("save-every", int, 50), ("seed", int, 0), ("layers", int, 0),
+                                ("intermediate-size", int, 0), ("draft-vocab", int, 8192), ("num-taps", int, 5),
+                                ("block-size", int, 8), ("anchors", int, 64), ("train-steps", int, 3)]:
+        train.add_argument(f"--{name}", type=kind, default=default)
+
+    evaluate = commands.add_parser("eval-drafter", help="acceptance, tau and predicted speedup on held-out calls")
+    evaluate.add_argument("--model", default="smollm2-135m")
+    evaluate.add_argument("--drafter", type=Path, required=True)
+    evaluate.add_argument("--data", type=Path, required=True)
+    evaluate.add_argument("--k", default=None, help="comma-separated draft lengths (default: 1,2,4 and the most)")
+    evaluate.add_argument("--limit", type=int, default=None, help="at most this many held-out calls")
+    evaluate.add_argument("--dtype", default="bf16", choices=["bf16", "fp32"])
+    evaluate.add_argument("--json", type=Path, default=None, help="also write the figures here")
+
+    export = commands.add_parser("export", help="write a trained drafter in another format")
+    export.add_argument("--format", choices=["speculators"], default="speculators")
+    export.add_argument("--model", default=None, help="the target (for its head rows); default: the drafter's")
+    export.add_argument("drafter", type=Path)
+    export.add_argument("out", type=Path)
+
+    imp = commands.add_parser("import", help="read a drafter written in another format")
+    imp.add_argument("--format", choices=["speculators", "dflash-zlab"], default="speculators")
+    imp.add_argument("--model", default=None, help="the target it drafts for; default: the verifier it names")
+    imp.add_argument("source", type=Path)
+    imp.add_argument("out", type=Path)
 
 
 def _model_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default="smollm2-135m", help="preset name, model folder or hub id")
     parser.add_argument("--method", default="none", help=f"one of {', '.join(METHODS)}")
-    parser.add_argument("--k", type=int, default=5, help="most draft tokens verified per pass")
+    parser.add_argument("--k", type=int, default=None,
+                        help="most draft tokens verified per pass (default 5; DFlash: block size - 1)")
+    parser.add_argument("--drafter", type=Path, default=None, help="trained drafter folder (default: shipped one)")
     parser.add_argument("--dtype", default="bf16", choices=["bf16", "fp32"])
     parser.add_argument("--max-seq-len", type=int, default=2048, help="context (cache capacity) per request")
 
@@ -130,7 +182,7 @@ def cmd_models(args: argparse.Namespace) -> None:
 
 
 def cmd_generate(args: argparse.Namespace) -> None:
-    from specstand.drafters import make_drafter
+    from specstand.drafters import default_k, make_drafter
     from specstand.engine import Engine, EngineConfig, Request
     from specstand.models import load_model
     from specstand.verification import SamplingParams
@@ -145,8 +197,10 @@ def cmd_generate(args: argparse.Namespace) -> None:
 
     model = load_model(args.model, args.dtype, args.max_seq_len, log=_log)
     prompt_ids = model.encode_messages(messages) if messages else model.encode_prompt(args.prompt)
+    drafter = make_drafter(args.method, model.decoder, args.model, args.drafter)
+    args.k = default_k(drafter, args.k)
     config = EngineConfig(num_speculative_tokens=args.k, max_seq_len=model.max_positions)
-    engine = Engine(model.decoder, make_drafter(args.method), config)
+    engine = Engine(model.decoder, drafter, config)
     request = Request(prompt_ids, args.max_tokens, sampling, model.stop_token_ids)
     engine.add_request(request)  # validates the length before any work
     started = time.perf_counter()
@@ -179,8 +233,10 @@ def cmd_generate(args: argparse.Namespace) -> None:
 def _check_model_args(args: argparse.Namespace) -> None:
     if args.method not in METHODS:
         raise CliError(f"unknown method {args.method!r} (choose from {', '.join(METHODS)})")
-    if args.k < 0:
+    if args.k is not None and args.k < 0:
         raise CliError("--k must be >= 0")
+    if args.drafter is not None and not args.drafter.is_dir():
+        raise CliError(f"--drafter {args.drafter} is not a folder")
 
 
 def cmd_serve(args: argparse.Namespace) -> None:
@@ -193,9 +249,11 @@ def cmd_serve(args: argparse.Namespace) -> None:
     if args.max_batch < 1 or args.max_queue < 1:
         raise CliError("--max-batch and --max-queue must be >= 1")
     model = load_model(args.model, args.dtype, args.max_seq_len, log=_log)
-    config = ServerConfig(args.method, args.k, args.max_batch, args.max_queue, args.served_model_name)
+    config = ServerConfig(args.method, args.k, args.max_batch, args.max_queue, args.served_model_name,
+                          args.model, args.drafter)
     app, worker = build_server(model, config)
-    _log(f"serving {args.model} with method {args.method} (K={args.k}) on http://{args.host}:{args.port}")
+    _log(f"serving {args.model} with method {args.method} (K={worker.engine.config.num_speculative_tokens}) "
+         f"on http://{args.host}:{args.port}")
     try:
         uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
     finally:
@@ -266,9 +324,11 @@ def cmd_bench(args: argparse.Namespace) -> None:
         if not sep or not url.startswith("http"):
             raise CliError(f"--endpoint takes NAME=URL, not {spec!r}")
         targets.append(Target(name, url))
+    drafters = _drafters_by_method(args.drafter)
     try:
         for method in methods:
-            targets.append(start_server(method, args.model, args.k, args.max_batch, args.dtype, args.max_seq_len))
+            targets.append(start_server(method, args.model, args.k, args.max_batch, args.dtype, args.max_seq_len,
+                                        drafters.get(method)))
         for target in targets:
             wait_ready(target)
         baseline = args.baseline or targets[0].name
@@ -286,6 +346,112 @@ def cmd_bench(args: argparse.Namespace) -> None:
         stop_servers(targets)
 
 
+def cmd_train_data(args: argparse.Namespace) -> None:
+    from specstand.models import load_model
+    from specstand.training.data import generate_rows, save_rows
+    from specstand.verification import SamplingParams
+    from specstand.workloads import load_workload
+
+    if not 0 <= args.heldout < 1:
+        raise CliError("--heldout must be in [0, 1)")
+    turns = [turn for path in args.workload for turn in load_workload(path)]
+    if args.limit_calls is not None:
+        kept, count = [], 0
+        for turn in turns:  # whole turns only, so the split by turn stays clean
+            if count + len(turn.calls) > args.limit_calls:
+                break
+            kept.append(turn)
+            count += len(turn.calls)
+        turns = kept
+    if not turns:
+        raise CliError("no call to answer (raise --limit-calls)")
+    model = load_model(args.model, args.dtype, args.max_seq_len, log=_log)
+    sampling = SamplingParams(args.temperature, seed=args.seed)
+    started = time.perf_counter()
+    rows = generate_rows(model, turns, args.heldout, sampling, args.max_batch, model.max_positions)
+    meta = {"model": args.model, "dtype": args.dtype, "workloads": [str(p) for p in args.workload],
+            "temperature": args.temperature, "heldout_share": args.heldout,
+            "seconds": round(time.perf_counter() - started)}
+    save_rows(args.out, rows, meta)
+    _log(f"wrote {len(rows)} rows ({sum(r.split == 'heldout' for r in rows)} held out) to {args.out}")
+
+
+def cmd_train(args: argparse.Namespace) -> None:
+    from specstand.models import load_model
+    from specstand.training.trainer import TrainConfig, train
+
+    config = TrainConfig(
+        method=args.method, data=str(args.data), out=str(args.out), steps=args.steps, lr=args.lr,
+        pack_tokens=args.pack_tokens, save_every=args.save_every, seed=args.seed, num_layers=args.layers,
+        intermediate_size=args.intermediate_size, draft_vocab_size=args.draft_vocab, num_taps=args.num_taps,
+        block_size=args.block_size, anchors=args.anchors, train_steps=args.train_steps,
+    )
+    model = load_model(args.model, args.dtype, config.max_len, log=_log)
+    train(config, model, log=_log)
+    _log(f"drafter written to {args.out}")
+
+
+def cmd_eval_drafter(args: argparse.Namespace) -> None:
+    from specstand.drafters.trained import read_drafter
+    from specstand.models import load_model
+    from specstand.training.data import load_rows
+    from specstand.training.evaluate import as_dicts, evaluate_drafter
+
+    spec, _ = read_drafter(args.drafter)
+    most = spec.block_size - 1 if spec.method == "dflash" else 5
+    try:
+        ks = sorted({int(k) for k in args.k.split(",")}) if args.k else sorted({1, 2, 4, most})
+    except ValueError:
+        raise CliError(f"--k takes comma-separated integers, not {args.k!r}") from None
+    if min(ks) < 1:
+        raise CliError("--k values must be >= 1")
+    _, rows = load_rows(args.data)
+    heldout = [r for r in rows if r.split == "heldout"][: args.limit]
+    if not heldout:
+        raise CliError(f"{args.data} has no held-out rows")
+    model = load_model(args.model, args.dtype, 2048, log=_log)
+    figures = evaluate_drafter(model, args.drafter, heldout, ks, model.max_positions, log=_log)
+    if args.json:
+        args.json.write_text(json.dumps({"drafter": str(args.drafter), "method": spec.method,
+                                         "figures": as_dicts(figures)}, indent=1) + "\n")
+    print("| K | tau | tau (vLLM) | acceptance per position | verify ms | draft ms | predicted | measured |")
+    print("|---|---|---|---|---|---|---|---|")
+    for f in figures:
+        print(f"| {f.k} | {f.tau} | {f.tau_per_draft} | {' '.join(str(a) for a in f.acceptance_per_position)} | "
+              f"{f.verify_ms} | {f.draft_ms} | x{f.predicted_speedup} | x{f.measured_speedup} |")
+
+
+def cmd_export(args: argparse.Namespace) -> None:
+    from specstand.drafters.trained import read_drafter
+    from specstand.interop.speculators import export_speculators
+    from specstand.models import load_model
+
+    spec, _ = read_drafter(args.drafter)
+    model = load_model(args.model or spec.target, "bf16", 2048, log=_log)
+    export_speculators(args.drafter, model, args.out)
+    _log(f"wrote {args.out / 'config.json'} and {args.out / 'model.safetensors'} (speculators {spec.method})")
+
+
+def cmd_import(args: argparse.Namespace) -> None:
+    from specstand.interop.speculators import import_dflash_zlab, import_speculators
+
+    reader = import_speculators if args.format == "speculators" else import_dflash_zlab
+    spec = reader(args.source, args.out, args.model)
+    _log(f"wrote a specstand {spec.method} drafter for {spec.target} to {args.out}")
+
+
+def _drafters_by_method(folders: list[Path]) -> dict[str, Path]:
+    from specstand.drafters.trained import read_drafter
+
+    found = {}
+    for folder in folders:
+        spec, _ = read_drafter(folder)
+        if spec.method in found:
+            raise CliError(f"two --drafter folders for {spec.method}: {found[spec.method]} and {folder}")
+        found[spec.method] = folder
+    return found
+
+
 def _run_one(engine) -> GenerationResult:
     """Step the engine until its one request finishes."""
     while True:
@@ -295,7 +461,8 @@ def _run_one(engine) -> GenerationResult:
 
 
 COMMANDS = {"models": cmd_models, "generate": cmd_generate, "serve": cmd_serve, "workload": cmd_workload,
-            "record": cmd_record, "bench": cmd_bench}
+            "record": cmd_record, "bench": cmd_bench, "train-data": cmd_train_data, "train": cmd_train,
+            "eval-drafter": cmd_eval_drafter, "export": cmd_export, "import": cmd_import}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -17,6 +17,7 @@ from tqdm import tqdm
 from specstand.bench.endpoints import OpenAIEndpoint
 from specstand.bench.replay import assign_turns, replay
 from specstand.bench.report import RunResult, write_report
+from specstand.drafters.trained import read_drafter, shipped_drafter
 from specstand.workloads import Turn
 
 SERVER_START_TIMEOUT_S = 600
@@ -47,16 +48,29 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_server(method: str, model: str, k: int, max_batch: int, dtype: str, max_seq_len: int) -> Target:
-    """`specstand serve` in its own process (its own threads, so targets do not share the engine)."""
+def start_server(method: str, model: str, k: int | None, max_batch: int, dtype: str, max_seq_len: int,
+                 drafter: Path | None = None) -> Target:
+    """`specstand serve` in its own process (its own threads, so targets do not share the engine).
+    k None: the method's default (DFlash: its block size - 1)."""
     port = _free_port()
     log = Path(tempfile.mkstemp(prefix=f"specstand-serve-{method}-", suffix=".log")[1])
-    cmd = [sys.executable, "-m", "specstand.cli", "serve", "--model", model, "--method", method, "--k", str(k),
+    cmd = [sys.executable, "-m", "specstand.cli", "serve", "--model", model, "--method", method,
            "--port", str(port), "--max-batch", str(max_batch), "--dtype", dtype, "--max-seq-len", str(max_seq_len),
            "--served-model-name", model]
+    cmd += ["--k", str(k)] if k is not None else []
+    cmd += ["--drafter", str(drafter)] if drafter is not None else []
+    if k is None and method != "none":
+        k = _default_k(method, model, drafter)
     with log.open("w") as sink:
         process = subprocess.Popen(cmd, stdout=sink, stderr=subprocess.STDOUT, env=os.environ.copy())
     return Target(method, f"http://127.0.0.1:{port}", k if method != "none" else None, process, log)
+
+
+def _default_k(method: str, model: str, drafter: Path | None) -> int:
+    folder = drafter or shipped_drafter(model, method)
+    if method == "dflash" and folder is not None:
+        return read_drafter(folder)[0].block_size - 1
+    return 5
 
 
 def wait_ready(target: Target) -> None:

@@ -45,5 +45,13 @@ def make_drafter(method: str, target: DecoderModel | None = None, target_name: s
     return load_drafter(path, target.weights.embed_tokens, target.weights.lm_head)
 
 
+def default_k(drafter: Drafter | None, k: int | None) -> int:
+    """K when the user gives none: a DFlash block's drafts (block size - 1), else 5."""
+    if k is not None:
+        return k
+    block = getattr(getattr(drafter, "model", None), "spec", None)
+    return block.block_size - 1 if block is not None and block.method == "dflash" else 5
+
+
 __all__ = ["DRAFTERS", "METHODS", "Draft", "Drafter", "DrafterLoadError", "HiddenRows", "NgramConfig",
-           "SequenceView", "SuffixConfig", "make_drafter"]
+           "SequenceView", "SuffixConfig", "default_k", "make_drafter"]

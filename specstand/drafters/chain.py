@@ -51,8 +51,9 @@ class ChainModel(nn.Module):
     def training_hidden(self, taps: torch.Tensor, tokens: torch.Tensor, positions: torch.Tensor,
                         docs: torch.Tensor, steps: int) -> list[torch.Tensor]:
         """Training-time test over a packed row: output hidden states [T, H] of every row j at each of
-        `steps` drafting steps (the loss takes `logits` of the rows it scores only). At step s, row j is the s-th draft after real row j-s+1: it sees real rows up to
-        j-s+1 and its own chain's rows of steps 2..s (one each, on the diagonal), never other chains."""
+        `steps` drafting steps (the loss takes `logits` of the rows it scores only). At step s, row j is
+        the s-th draft after real row j-s+1: it sees real rows up to j-s+1 and its own chain's rows of
+        steps 2..s (one each, on the diagonal), never other chains."""
         count = len(tokens)
         index = torch.arange(count)
         same_doc = docs[:, None] == docs[None, :]

@@ -37,6 +37,7 @@ class DrafterSpec:
     block_size: int = 0  # dflash: block = last token + (block_size - 1) masks
     mask_token_id: int = 0  # dflash: the token id whose embedding marks a position to predict
     train_steps: int = 3  # eagle3/mtp: unrolled steps of the training-time test
+    qk_norm: bool = False  # RMSNorm of q and k per head (Qwen3-style layers, e.g. z-lab's DFlash drafters)
     trained: dict = field(default_factory=dict)  # data, steps, time, held-out figures (the model card)
 
     def to_json(self) -> str:
@@ -75,13 +76,17 @@ class Attention(nn.Module):
         self.k_proj = nn.Linear(input_size, spec.num_kv_heads * d, bias=False)
         self.v_proj = nn.Linear(input_size, spec.num_kv_heads * d, bias=False)
         self.o_proj = nn.Linear(spec.num_heads * d, spec.hidden_size, bias=False)
+        self.q_norm = RMSNorm(d, spec.rms_eps) if spec.qk_norm else None
+        self.k_norm = RMSNorm(d, spec.rms_eps) if spec.qk_norm else None
+
+    def _heads(self, x: torch.Tensor, proj: nn.Linear, norm: RMSNorm | None) -> torch.Tensor:
+        heads = proj(x).view(len(x), -1, self.spec.head_dim)
+        return (heads if norm is None else norm(heads)).transpose(0, 1)
 
     def keys_values(self, x: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Roped keys and values [kv heads, T, D] of rows x [T, input]."""
-        d = self.spec.head_dim
-        k = self.k_proj(x).view(len(x), -1, d).transpose(0, 1)
-        v = self.v_proj(x).view(len(x), -1, d).transpose(0, 1)
-        return rope(k, positions, self.spec.rope_theta), v
+        k = self._heads(x, self.k_proj, self.k_norm)
+        return rope(k, positions, self.spec.rope_theta), self._heads(x, self.v_proj, None)
 
     def forward(
         self,
@@ -92,8 +97,7 @@ class Attention(nn.Module):
     ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
         """Rows x [T, input] attend over `past` keys/values (first) and their own. `bias` [T, past + T] is
         added to the scores (None: every key visible). Returns the output and the rows' own keys/values."""
-        d = self.spec.head_dim
-        q = rope(self.q_proj(x).view(len(x), -1, d).transpose(0, 1), positions, self.spec.rope_theta)
+        q = rope(self._heads(x, self.q_proj, self.q_norm), positions, self.spec.rope_theta)
         own = self.keys_values(x, positions)
         k, v = own if past is None else (torch.cat([past[0], own[0]], 1), torch.cat([past[1], own[1]], 1))
         mask = None if bias is None else bias.to(q.dtype)

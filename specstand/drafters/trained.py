@@ -59,15 +59,19 @@ def drafter_state(model: nn.Module) -> dict[str, torch.Tensor]:
 
 
 def save_drafter(model: ChainModel | DFlashModel, folder: Path) -> None:
-    """Write weights then config, each to a temporary name renamed into place: a crash never leaves a
-    half-written file under the final name."""
+    save_tensors(model.spec, drafter_state(model), folder)
+
+
+def save_tensors(spec: DrafterSpec, state: dict[str, torch.Tensor], folder: Path) -> None:
+    """Write weights (bf16; d2t stays int64) then config, each to a temporary name renamed into place: a
+    crash never leaves a half-written file under the final name."""
     folder.mkdir(parents=True, exist_ok=True)
-    tensors = {k: (v if k == "d2t" else v.to(torch.bfloat16)).contiguous() for k, v in drafter_state(model).items()}
+    tensors = {k: (v.to(torch.int64) if k == "d2t" else v.to(torch.bfloat16)).contiguous() for k, v in state.items()}
     tmp = folder / f".{WEIGHTS}.tmp"
-    save_file(tensors, str(tmp), metadata={"spec": model.spec.to_json()})
+    save_file(tensors, str(tmp), metadata={"spec": spec.to_json()})
     os.replace(tmp, folder / WEIGHTS)
     tmp = folder / ".config.json.tmp"
-    tmp.write_text(model.spec.to_json() + "\n")
+    tmp.write_text(spec.to_json() + "\n")
     os.replace(tmp, folder / "config.json")
 
 
@@ -79,7 +83,7 @@ def read_drafter(folder: Path) -> tuple[DrafterSpec, dict[str, torch.Tensor]]:
         metadata = f.metadata() or {}
         if "spec" not in metadata:
             raise DrafterLoadError(f"{path} carries no specstand drafter spec (import other formats first)")
-        return DrafterSpec.from_json(metadata["spec"]), {k: f.get_tensor(k) for k in f.keys()}
+        return DrafterSpec.from_json(metadata["spec"]), {k: f.get_tensor(k) for k in f}
 
 
 def load_drafter_model(folder: Path, embed_tokens: torch.Tensor, lm_head: torch.Tensor) -> ChainModel | DFlashModel:

@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 
-from specstand.drafters import make_drafter
+from specstand.drafters import default_k, make_drafter
 from specstand.engine import Engine, EngineConfig
 from specstand.models import LoadedModel
 from specstand.server.app import create_app
@@ -15,19 +16,19 @@ from specstand.server.worker import EngineWorker
 @dataclass(frozen=True)
 class ServerConfig:
     method: str = "none"
-    num_speculative_tokens: int = 5
+    num_speculative_tokens: int | None = None  # None: the method's default
     max_batch: int = 4
     max_queue: int = 64
     served_name: str = ""
+    target_name: str = ""  # preset name, to find a shipped trained drafter
+    drafter_path: Path | None = None
 
 
 def build_server(model: LoadedModel, config: ServerConfig):
     """The FastAPI app and its engine worker (started); stop the worker when done."""
-    engine = Engine(
-        model.decoder,
-        make_drafter(config.method),
-        EngineConfig(config.num_speculative_tokens, model.max_positions, config.max_batch),
-    )
+    drafter = make_drafter(config.method, model.decoder, config.target_name or model.name, config.drafter_path)
+    k = default_k(drafter, config.num_speculative_tokens)
+    engine = Engine(model.decoder, drafter, EngineConfig(k, model.max_positions, config.max_batch))
     name = config.served_name or model.name
     worker = EngineWorker(engine, ServerMetrics(name), config.max_queue)
     worker.start()

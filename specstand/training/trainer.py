@@ -102,8 +102,10 @@ def learning_rate(config: TrainConfig, step: int) -> float:
     return config.lr * min(1.0, (step + 1) / warmup) * max(0.0, 1 - step / config.steps)
 
 
-def dflash_objective(model: DFlashModel, pack: Pack, t2d: torch.Tensor, config: TrainConfig,
-                     generator: torch.Generator, running_q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def dflash_objective(
+    model: DFlashModel, pack: Pack, t2d: torch.Tensor, config: TrainConfig, generator: torch.Generator,
+    running_q: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Loss, q per position (for D-PACE) and accepted-prefix rate per position over sampled anchors."""
     count, b = len(pack.tokens), model.spec.block_size
     label = pack.next_label

@@ -1,0 +1,1 @@
+"""Formats other tools read and write: speculators checkpoints (vLLM loads them), z-lab DFlash."""

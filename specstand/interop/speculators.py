@@ -1,0 +1,158 @@
+"""Export to and import from the `speculators` checkpoint format (what vLLM's --speculative-config loads),
+and import of z-lab's DFlash checkpoints.
+
+speculators: `config.json` (a transformers config + speculators_model_type, speculators_config with the
+proposal method and the verifier, transformer_layer_config, the aux layer ids, DFlash's block size and
+mask token, the draft vocabulary size) and `model.safetensors` with speculators' tensor names; the draft
+vocabulary is stored as `d2t` (offsets: target id - draft id) and `t2d` (bool mask over the target vocab).
+
+Layer numbering: ours is Hugging Face's hidden_states index (0 = embeddings, i = output of layer i).
+EAGLE-3's `eagle_aux_hidden_state_layer_ids` use the same index (vLLM takes the input of layer i);
+DFlash's `aux_hidden_state_layer_ids` / z-lab's `target_layer_ids` name the layer whose OUTPUT is read,
+i.e. our index - 1 (the off-by-one vLLM once had to fix).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import replace
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from specstand.drafters.nn import DrafterSpec
+from specstand.drafters.trained import WEIGHTS, DrafterLoadError, read_drafter, save_tensors
+from specstand.models import LoadedModel
+
+SPECULATORS_VERSION = "0.3.0"
+ARCHITECTURES = {"eagle3": "Eagle3Speculator", "dflash": "DFlashSpeculator"}
+
+
+def _write_atomic(folder: Path, config: dict, tensors: dict[str, torch.Tensor]) -> None:
+    folder.mkdir(parents=True, exist_ok=True)
+    tmp = folder / f".{WEIGHTS}.tmp"
+    save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp), metadata={"format": "pt"})
+    os.replace(tmp, folder / WEIGHTS)
+    tmp = folder / ".config.json.tmp"
+    tmp.write_text(json.dumps(config, indent=2) + "\n")
+    os.replace(tmp, folder / "config.json")
+
+
+def _layer_config(spec: DrafterSpec) -> dict:
+    return {
+        "model_type": "qwen3" if spec.qk_norm else "llama", "hidden_size": spec.hidden_size,
+        "intermediate_size": spec.intermediate_size, "num_attention_heads": spec.num_heads,
+        "num_key_value_heads": spec.num_kv_heads, "head_dim": spec.head_dim, "num_hidden_layers": spec.num_layers,
+        "rms_norm_eps": spec.rms_eps, "rope_theta": spec.rope_theta, "vocab_size": spec.target_vocab_size,
+        "hidden_act": "silu", "attention_bias": False, "mlp_bias": False, "max_position_embeddings": 32768,
+        "tie_word_embeddings": False,
+    }
+
+
+def export_speculators(drafter: Path, target: LoadedModel, out: Path) -> None:
+    spec, tensors = read_drafter(drafter)
+    if spec.method not in ARCHITECTURES:
+        raise DrafterLoadError(f"speculators/vLLM have no format for a standalone {spec.method} head "
+                               f"(export eagle3 or dflash drafters)")
+    draft_ids = tensors.pop("d2t")
+    renamed = {("layers.0.hidden_norm.weight" if k == "hidden_norm.weight" and spec.method == "eagle3" else k): v
+               for k, v in tensors.items()}
+    if "lm_head.weight" not in renamed:  # DFlash reads the target's head rows of the draft vocabulary
+        renamed["lm_head.weight"] = target.decoder.weights.lm_head[draft_ids].to(torch.bfloat16)
+    renamed["d2t"] = draft_ids - torch.arange(len(draft_ids))
+    t2d = torch.zeros(spec.target_vocab_size, dtype=torch.bool)
+    t2d[draft_ids] = True
+    renamed["t2d"] = t2d
+    k = spec.block_size - 1 if spec.method == "dflash" else 5
+    config = {
+        "architectures": [ARCHITECTURES[spec.method]],
+        "speculators_model_type": spec.method,
+        "speculators_version": SPECULATORS_VERSION,
+        "speculators_config": {
+            "algorithm": spec.method,
+            "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": k, "verifier_accept_k": 1,
+                                  "accept_tolerance": 0.0}],
+            "default_proposal_method": "greedy",
+            "verifier": {"name_or_path": spec.target, "architectures": [spec.target_architecture]},
+        },
+        "transformer_layer_config": _layer_config(spec),
+        "draft_vocab_size": spec.draft_vocab_size,
+        "target_hidden_size": spec.hidden_size,
+        "specstand_spec": json.loads(spec.to_json()),  # what a round trip needs beyond the fields above
+    }
+    if spec.method == "eagle3":
+        config |= {"norm_before_residual": False, "eagle_aux_hidden_state_layer_ids": spec.tap_layers}
+    else:
+        config |= {"aux_hidden_state_layer_ids": [t - 1 for t in spec.tap_layers], "block_size": spec.block_size,
+                   "mask_token_id": spec.mask_token_id}
+    _write_atomic(out, config, renamed)
+
+
+def _read(source: Path) -> tuple[dict, dict[str, torch.Tensor]]:
+    config_path, weights_path = Path(source) / "config.json", Path(source) / WEIGHTS
+    if not config_path.is_file() or not weights_path.is_file():
+        raise DrafterLoadError(f"{source} needs config.json and {WEIGHTS}")
+    with safe_open(str(weights_path), framework="pt") as f:
+        tensors = {k: f.get_tensor(k) for k in f}
+    return json.loads(config_path.read_text()), tensors
+
+
+def _spec_from_layer_config(method: str, layer: dict, target: str, taps: list[int], draft_vocab: int,
+                            block_size: int, mask_token_id: int) -> DrafterSpec:
+    return DrafterSpec(
+        method=method, target=target, target_architecture="", target_vocab_size=layer["vocab_size"],
+        hidden_size=layer["hidden_size"], num_heads=layer["num_attention_heads"],
+        num_kv_heads=layer.get("num_key_value_heads", layer["num_attention_heads"]),
+        head_dim=layer.get("head_dim") or layer["hidden_size"] // layer["num_attention_heads"],
+        intermediate_size=layer["intermediate_size"], num_layers=layer["num_hidden_layers"],
+        rms_eps=layer.get("rms_norm_eps", 1e-6), rope_theta=layer.get("rope_theta", 10000.0), tap_layers=taps,
+        draft_vocab_size=draft_vocab, block_size=block_size, mask_token_id=mask_token_id,
+        train_steps=0, qk_norm=layer.get("model_type") == "qwen3",
+    )
+
+
+def import_speculators(source: Path, out: Path, target: str | None = None) -> DrafterSpec:
+    config, tensors = _read(source)
+    method = config.get("speculators_model_type")
+    if method not in ARCHITECTURES:
+        raise DrafterLoadError(f"{source}: speculators_model_type {method!r} is not one of {', '.join(ARCHITECTURES)}")
+    verifier = config.get("speculators_config", {}).get("verifier", {})
+    if "specstand_spec" in config:
+        spec = DrafterSpec(**config["specstand_spec"])
+    else:
+        taps = (config.get("eagle_aux_hidden_state_layer_ids") if method == "eagle3"
+                else [i + 1 for i in config.get("aux_hidden_state_layer_ids", [])])
+        spec = _spec_from_layer_config(method, config["transformer_layer_config"], verifier.get("name_or_path", ""),
+                                       taps or [], config["draft_vocab_size"], config.get("block_size", 0),
+                                       config.get("mask_token_id", 0))
+        spec.target_architecture = (verifier.get("architectures") or [""])[0]
+    if target:
+        spec = replace(spec, target=target)
+    offsets = tensors.pop("d2t", None)
+    tensors.pop("t2d", None)
+    ours = {("hidden_norm.weight" if k == "layers.0.hidden_norm.weight" else k): v for k, v in tensors.items()
+            if k != "embed_tokens.weight"}
+    if method == "dflash":
+        ours.pop("lm_head.weight", None)  # ours reads the target's head rows
+    draft_ids = torch.arange(spec.target_vocab_size) if offsets is None else offsets + torch.arange(len(offsets))
+    save_tensors(spec, {**ours, "d2t": draft_ids}, out)
+    return spec
+
+
+def import_dflash_zlab(source: Path, out: Path, target: str | None = None) -> DrafterSpec:
+    """z-lab's DFlash drafters: a Qwen3-style layer config with `dflash_config` {target_layer_ids,
+    mask_token_id} and `block_size`; full target vocabulary, no embedding or head of their own."""
+    config, tensors = _read(source)
+    dflash = config.get("dflash_config")
+    if not dflash or "target_layer_ids" not in dflash:
+        raise DrafterLoadError(f"{source}: no dflash_config.target_layer_ids, not a z-lab DFlash checkpoint")
+    layer = {**config, "model_type": "qwen3" if any(".q_norm." in k for k in tensors) else "llama"}
+    spec = _spec_from_layer_config("dflash", layer, target or config.get("_name_or_path", ""),
+                                   [i + 1 for i in dflash["target_layer_ids"]], config["vocab_size"],
+                                   config.get("block_size", 16), dflash.get("mask_token_id", 0))
+    ours = {k: v for k, v in tensors.items() if k not in ("embed_tokens.weight", "lm_head.weight")}
+    save_tensors(spec, {**ours, "d2t": torch.arange(spec.target_vocab_size)}, out)
+    return spec

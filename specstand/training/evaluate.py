@@ -1,0 +1,131 @@
+"""`specstand eval-drafter`: the figures the engine reports online, on held-out calls, before deploying.
+
+The held-out calls run through the engine itself (greedy, one request at a time) at each K, so acceptance
+per position and tau (over ALL target passes) are exactly what serving would see on those calls. Costs
+are measured on this machine: one plain target step, one verify pass of K+1 rows, and the drafter's own
+time per proposal; the predicted speedup is seed 000's claim 3, tau * T_step / (T_verify(K+1) + T_draft),
+printed next to the measured one (wall time of the plain engine over the drafted one, same calls).
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+from specstand.drafters import Draft, Drafter, SequenceView, make_drafter
+from specstand.drafters.trained import read_drafter
+from specstand.engine import DecodeStats, Engine, EngineConfig, Request
+from specstand.models import LoadedModel
+from specstand.runner import PassInput, TargetRunner
+from specstand.training.data import TrainRow
+
+
+@dataclass
+class KEvaluation:
+    k: int
+    calls: int
+    tokens: int
+    tau: float  # emitted tokens per target pass, all passes
+    tau_per_draft: float  # vLLM's figure
+    acceptance_per_position: list[float]
+    step_ms: float  # one plain target pass (1 row)
+    verify_ms: float  # one target pass of K+1 rows
+    draft_ms: float  # the drafter, per proposal
+    predicted_speedup: float
+    measured_speedup: float
+    identical: bool  # every answer equals plain greedy decoding
+
+
+class _TimedDrafter(Drafter):
+    """Wraps a drafter to time its own work (propose and the hidden-state bookkeeping in extend)."""
+
+    def __init__(self, inner: Drafter) -> None:
+        self.inner = inner
+        self.name = inner.name
+        self.tap_layers = inner.tap_layers
+        self.seconds = 0.0
+        self.proposals = 0
+
+    def begin(self, seq: SequenceView) -> None:
+        self.inner.begin(seq)
+
+    def propose(self, seq: SequenceView, max_tokens: int) -> Draft:
+        started = time.perf_counter()
+        draft = self.inner.propose(seq, max_tokens)
+        self.seconds += time.perf_counter() - started
+        self.proposals += 1
+        return draft
+
+    def extend(self, seq: SequenceView, new_tokens: list[int], hidden=None) -> None:
+        started = time.perf_counter()
+        self.inner.extend(seq, new_tokens, hidden)
+        if seq.output_ids != new_tokens:  # the prompt's rows are prefill work, not per-step work
+            self.seconds += time.perf_counter() - started
+
+    def end(self, seq: SequenceView) -> None:
+        self.inner.end(seq)
+
+
+@torch.inference_mode()
+def pass_ms(model: LoadedModel, rows: int, context: int, repeats: int = 7) -> float:
+    """Median time of one target pass of `rows` rows at position `context` (bf16 decode weights)."""
+    runner = TargetRunner(model.decoder, 1, context + 64)
+    runner.cache.allocate(0)
+    times = []
+    for _ in range(repeats):
+        runner.cache.rollback(0, context)
+        started = time.perf_counter()
+        runner.run([PassInput(0, [1] * rows)], rows)
+        times.append(time.perf_counter() - started)
+    return statistics.median(times) * 1000
+
+
+def _run(model: LoadedModel, drafter: Drafter | None, k: int, requests: list[Request], max_len: int):
+    engine = Engine(model.decoder, drafter, EngineConfig(k, max_len, 1))
+    started = time.perf_counter()
+    results = [engine.generate([r])[0] for r in requests]
+    return results, time.perf_counter() - started
+
+
+def evaluate_drafter(model: LoadedModel, drafter_path: Path, rows: list[TrainRow], ks: list[int],
+                     max_len: int, log=print) -> list[KEvaluation]:
+    spec, _ = read_drafter(drafter_path)
+    requests = [Request(r.prompt_ids, max(len(r.response_ids), 1), stop_token_ids=model.stop_token_ids)
+                for r in rows if len(r.prompt_ids) + len(r.response_ids) + max(ks) + 8 < max_len]
+    if not requests:
+        raise ValueError("no held-out call fits the context")
+    plain, plain_s = _run(model, None, 0, requests, max_len)
+    context = int(statistics.median(len(r.prompt_ids) for r in requests))
+    step_ms = pass_ms(model, 1, context)
+    log(f"plain: {sum(len(p.output_ids) for p in plain)} tokens in {plain_s:.1f}s; one step {step_ms:.1f} ms")
+    figures = []
+    for k in ks:
+        timed = _TimedDrafter(make_drafter(spec.method, model.decoder, drafter_path=drafter_path))
+        results, seconds = _run(model, timed, k, requests, max_len)
+        stats = DecodeStats()
+        for result in results:
+            stats.merge(result.stats)
+        verify_ms = pass_ms(model, k + 1, context)
+        draft_ms = timed.seconds / max(timed.proposals, 1) * 1000
+        figure = KEvaluation(
+            k=k, calls=len(results), tokens=stats.emitted_tokens, tau=round(stats.tau, 3),
+            tau_per_draft=round(stats.tau_per_draft, 3),
+            acceptance_per_position=[round(a, 3) for a in stats.acceptance_per_position],
+            step_ms=round(step_ms, 2), verify_ms=round(verify_ms, 2), draft_ms=round(draft_ms, 2),
+            predicted_speedup=round(stats.tau * step_ms / (verify_ms + draft_ms), 3),
+            measured_speedup=round(plain_s / seconds, 3),
+            identical=all(a.output_ids == b.output_ids for a, b in zip(results, plain, strict=True)),
+        )
+        log(f"K={k}: tau {figure.tau} (vLLM-style {figure.tau_per_draft}), acceptance per position "
+            f"{figure.acceptance_per_position}, verify {verify_ms:.1f} ms, draft {draft_ms:.1f} ms, "
+            f"predicted x{figure.predicted_speedup}, measured x{figure.measured_speedup}, identical {figure.identical}")
+        figures.append(figure)
+    return figures
+
+
+def as_dicts(figures: list[KEvaluation]) -> list[dict]:
+    return [asdict(f) for f in figures]

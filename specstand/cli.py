@@ -126,6 +126,7 @@ def _training_parsers(commands) -> None:
     evaluate.add_argument("--limit", type=int, default=None, help="at most this many held-out calls")
     evaluate.add_argument("--dtype", default="bf16", choices=["bf16", "fp32"])
     evaluate.add_argument("--json", type=Path, default=None, help="also write the figures here")
+    evaluate.add_argument("--write-card", action="store_true", help="write the drafter's README.md model card")
 
     export = commands.add_parser("export", help="write a trained drafter in another format")
     export.add_argument("--format", choices=["speculators"], default="speculators")
@@ -395,7 +396,7 @@ def cmd_eval_drafter(args: argparse.Namespace) -> None:
     from specstand.drafters.trained import read_drafter
     from specstand.models import load_model
     from specstand.training.data import load_rows
-    from specstand.training.evaluate import as_dicts, evaluate_drafter
+    from specstand.training.evaluate import as_dicts, evaluate_drafter, write_card
 
     spec, _ = read_drafter(args.drafter)
     most = spec.block_size - 1 if spec.method == "dflash" else 5
@@ -414,6 +415,8 @@ def cmd_eval_drafter(args: argparse.Namespace) -> None:
     if args.json:
         args.json.write_text(json.dumps({"drafter": str(args.drafter), "method": spec.method,
                                          "figures": as_dicts(figures)}, indent=1) + "\n")
+    if args.write_card:
+        write_card(args.drafter, figures, "specstand " + " ".join(sys.argv[1:]))
     print("| K | tau | tau (vLLM) | acceptance per position | verify ms | draft ms | predicted | measured |")
     print("|---|---|---|---|---|---|---|---|")
     for f in figures:

@@ -17,7 +17,11 @@ from transformers import (
     Qwen3ForCausalLM,
 )
 
+from specstand.models import load_model
 from specstand.runner.transformer import DecoderModel
+from specstand.training.data import generate_rows, save_rows
+from specstand.verification import SamplingParams
+from specstand.workloads import Call, Turn
 
 VOCAB = 96
 COMMON = dict(
@@ -72,3 +76,22 @@ def save_tiny_model(folder: Path, family: str = "llama") -> Path:
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return save_tiny_model(tmp_path_factory.mktemp("tiny-llama"))
+
+
+def tiny_turns(count: int = 20) -> list[Turn]:
+    prompts = random_prompts(count, 40, seed=1)
+    return [Turn(f"t{i}", [Call("c", prompt=" ".join(f"w{t}" for t in p), max_tokens=40)])
+            for i, p in enumerate(prompts)]
+
+
+@pytest.fixture(scope="session")
+def tiny_target(tiny_model_dir: Path):
+    return load_model(str(tiny_model_dir), "fp32", 512)
+
+
+@pytest.fixture(scope="session")
+def tiny_data(tiny_target, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    folder = tmp_path_factory.mktemp("train-data")
+    rows = generate_rows(tiny_target, tiny_turns(), 0.2, SamplingParams(), 4, 512)
+    save_rows(folder, rows, {"model": "tiny"})
+    return folder

@@ -83,7 +83,7 @@ def read_drafter(folder: Path) -> tuple[DrafterSpec, dict[str, torch.Tensor]]:
         metadata = f.metadata() or {}
         if "spec" not in metadata:
             raise DrafterLoadError(f"{path} carries no specstand drafter spec (import other formats first)")
-        return DrafterSpec.from_json(metadata["spec"]), {k: f.get_tensor(k) for k in f}
+        return DrafterSpec.from_json(metadata["spec"]), {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118 - safe_open is not iterable
 
 
 def load_drafter_model(folder: Path, embed_tokens: torch.Tensor, lm_head: torch.Tensor) -> ChainModel | DFlashModel:

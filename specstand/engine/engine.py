@@ -79,6 +79,9 @@ class Engine:
                 "exact greedy decoding is not possible here (run without exact mode)"
             )
         self._prompts: dict[int, list[int]] = {}  # slot -> the prompt whose K/V it holds from prefill
+        # slot -> the target's tapped hidden states of that prompt: a drafter that reads them gets the whole
+        # prompt even when its head came from the cache (reused blocks compute bit-identically anyway)
+        self._prompt_taps: dict[int, dict[int, torch.Tensor]] = {}
         self._waiting: deque[tuple[int, Request]] = deque()
         self._running: dict[int, _Running] = {}
         self._next_id = 0
@@ -115,6 +118,7 @@ class Engine:
             self.abort(request_id)
         self._waiting.clear()
         self._prompts.clear()
+        self._prompt_taps.clear()
 
     def generate(self, requests: list[Request]) -> list[GenerationResult]:
         ids = [self.add_request(r) for r in requests]
@@ -150,7 +154,7 @@ class Engine:
         events = []
         while self._waiting and self.runner.cache.free_slots:
             request_id, request = self._waiting.popleft()
-            slot, reused = self._reusable_slot(request.prompt_ids)
+            slot, reused, donor = self._reusable_slot(request.prompt_ids)
             seed = request.sampling.seed if request.sampling.seed is not None else random.getrandbits(63)
             state = _Running(
                 request=request,
@@ -164,15 +168,26 @@ class Engine:
                 self.drafter.begin(state.seq)
             prefill = self.runner.prefill(slot, request.prompt_ids, self.tap_layers)
             self._prompts[slot] = list(request.prompt_ids)
+            taps = self._whole_prompt_taps(slot, donor, reused, prefill.taps)
             verdict = self._verify(state, Draft([]), prefill.logits)
-            events.append(self._emit(request_id, state, verdict, 0, HiddenRows(reused, prefill.taps)))
+            events.append(self._emit(request_id, state, verdict, 0, HiddenRows(0, taps)))
         return events
 
-    def _reusable_slot(self, prompt: list[int]) -> tuple[int, int]:
+    def _whole_prompt_taps(self, slot: int, donor: int | None, reused: int,
+                           computed: dict[int, torch.Tensor]) -> dict[int, torch.Tensor]:
+        if not self.tap_layers:
+            return {}
+        head = self._prompt_taps.get(donor, {}) if reused else {}
+        taps = {k: torch.cat([head[k][:reused], t]) if reused else t for k, t in computed.items()}
+        self._prompt_taps[slot] = taps
+        return taps
+
+    def _reusable_slot(self, prompt: list[int]) -> tuple[int, int, int | None]:
         """Pick a free slot for `prompt` and fill it with the longest cached prompt head of any slot (free or
-        running: positions below a slot's prompt length only ever hold its prefill K/V). Returns the slot and
-        how many positions it holds: whole prefill blocks only, never the last prompt token (its logits are
-        needed). Positions computed by decode passes are never reused, since they round differently."""
+        running: positions below a slot's prompt length only ever hold its prefill K/V). Returns the slot,
+        how many positions it holds (whole prefill blocks only, never the last prompt token: its logits are
+        needed) and the slot they came from. Positions computed by decode passes are never reused, since
+        they round differently."""
         free = self.runner.cache.free_slot_ids
         donor, common = None, 0
         if self.config.prefix_reuse:
@@ -184,14 +199,15 @@ class Engine:
         if reuse and donor in free:
             self.runner.cache.allocate(donor)
             self.runner.cache.rollback(donor, reuse)
-            return donor, reuse
+            return donor, reuse, donor
         # prefer a slot whose cached prompt nobody is likely to want: one without any
         target = next((slot for slot in reversed(free) if slot not in self._prompts), free[-1])
         self.runner.cache.allocate(target)
         self._prompts.pop(target, None)
+        self._prompt_taps.pop(target, None)
         if reuse:
             self.runner.cache.copy_prefix(donor, target, reuse)
-        return target, reuse
+        return target, reuse, donor
 
     def _propose(self, state: _Running) -> Draft:
         # never draft past max_tokens: the pass emits accepted drafts + 1 target token

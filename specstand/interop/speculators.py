@@ -96,7 +96,7 @@ def _read(source: Path) -> tuple[dict, dict[str, torch.Tensor]]:
     if not config_path.is_file() or not weights_path.is_file():
         raise DrafterLoadError(f"{source} needs config.json and {WEIGHTS}")
     with safe_open(str(weights_path), framework="pt") as f:
-        tensors = {k: f.get_tensor(k) for k in f}
+        tensors = {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118 - safe_open is not iterable
     return json.loads(config_path.read_text()), tensors
 
 

@@ -129,3 +129,35 @@ def evaluate_drafter(model: LoadedModel, drafter_path: Path, rows: list[TrainRow
 
 def as_dicts(figures: list[KEvaluation]) -> list[dict]:
     return [asdict(f) for f in figures]
+
+
+def write_card(folder: Path, figures: list[KEvaluation], command: str) -> None:
+    """The drafter's model card (README.md next to its weights): shapes, data, training, held-out figures."""
+    spec, tensors = read_drafter(folder)
+    trained = dict(spec.trained)
+    data = trained.pop("data", {})
+    size_mb = (folder / "model.safetensors").stat().st_size / 1e6
+    lines = [
+        f"# {spec.method} drafter for {spec.target}",
+        "",
+        f"- Shapes: {spec.num_layers} layer(s), hidden {spec.hidden_size}, heads {spec.num_heads}/{spec.num_kv_heads}"
+        f" (q/kv), MLP {spec.intermediate_size}, draft vocabulary {spec.draft_vocab_size} of {spec.target_vocab_size}"
+        f", target layers read {spec.tap_layers} (HF hidden_states index)"
+        + (f", block {spec.block_size}" if spec.block_size else f", {spec.train_steps} training-time-test steps"),
+        f"- Weights: {sum(t.numel() for k, t in tensors.items() if k != 'd2t') / 1e6:.1f} M parameters, bf16,"
+        f" {size_mb:.1f} MB (the target's embedding and head are borrowed, not stored)",
+        f"- Data: the target's own {data.get('temperature', 0) and 'sampled' or 'greedy'} answers to"
+        f" {data.get('rows', '?')} calls of {', '.join(Path(w).stem for w in data.get('workloads', []))}"
+        f" ({data.get('response_tokens', '?')} response tokens; {data.get('heldout_rows', '?')} calls of held-out"
+        f" turns kept apart), target dtype {data.get('dtype', '?')}",
+        f"- Training: {trained.get('steps', '?')} steps on {trained.get('train_rows', '?')} rows,"
+        f" {trained.get('seconds', '?')} s on this machine's CPU",
+        "",
+        f"Held-out calls, greedy, through the engine (`{command}`):",
+        "",
+        "| K | tau (all passes) | tau (vLLM-style) | acceptance per position | predicted speedup | measured |",
+        "|---|---|---|---|---|---|",
+    ]
+    lines += [f"| {f.k} | {f.tau} | {f.tau_per_draft} | {' '.join(str(a) for a in f.acceptance_per_position)} | "
+              f"x{f.predicted_speedup} | x{f.measured_speedup} |" for f in figures]
+    (folder / "README.md").write_text("\n".join(lines) + "\n")

@@ -40,10 +40,12 @@ def dflash_loss(logits: torch.Tensor, labels: torch.Tensor, valid: torch.Tensor,
 
 def chain_step_loss(logits: torch.Tensor, labels: torch.Tensor, valid: torch.Tensor,
                     target_logits: torch.Tensor | None) -> torch.Tensor:
-    """One training-time-test step. With `target_logits` (EAGLE-3): soft cross-entropy to the target's
-    distribution over the draft vocabulary; without (MTP): cross-entropy to the target's argmax."""
+    """One training-time-test step. With `target_logits` (EAGLE-3): KL from the target's distribution over
+    the draft vocabulary (soft cross-entropy minus the target's entropy: 0 when matched); without (MTP):
+    cross-entropy to the target's argmax."""
     if target_logits is not None:
-        per_row = -(F.softmax(target_logits, -1) * F.log_softmax(logits, -1)).sum(-1)
+        target_log_probs = F.log_softmax(target_logits, -1)
+        per_row = (target_log_probs.exp() * (target_log_probs - F.log_softmax(logits, -1))).sum(-1)
         mask = valid
     else:
         mask = valid & (labels >= 0)

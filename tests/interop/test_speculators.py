@@ -1,0 +1,102 @@
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from specstand.drafters import make_drafter
+from specstand.drafters.trained import DrafterLoadError, read_drafter
+from specstand.engine import Engine, EngineConfig, Request
+from specstand.interop.speculators import export_speculators, import_dflash_zlab, import_speculators
+from specstand.training.data import load_rows
+from specstand.training.trainer import TrainConfig, train
+
+
+@pytest.fixture(scope="module")
+def drafters(tiny_target, tiny_data, tmp_path_factory) -> dict[str, Path]:
+    folders = {}
+    for method in ("eagle3", "dflash", "mtp"):
+        folders[method] = tmp_path_factory.mktemp(method)
+        train(TrainConfig(method, str(tiny_data), str(folders[method]), steps=3, pack_tokens=256,
+                          draft_vocab_size=48), tiny_target, log=lambda _: None)
+    return folders
+
+
+@pytest.mark.parametrize("method", ["eagle3", "dflash"])
+def test_export_import_round_trip_is_bit_exact(method, drafters, tiny_target, tmp_path):
+    exported = tmp_path / "speculators"
+    export_speculators(drafters[method], tiny_target, exported)
+    config = json.loads((exported / "config.json").read_text())
+    assert config["speculators_model_type"] == method
+    proposal = config["speculators_config"]["proposal_methods"][0]
+    assert proposal["proposal_type"] == "greedy" and proposal["speculative_tokens"] >= 1
+    assert config["speculators_config"]["verifier"]["name_or_path"] == tiny_target.name
+    assert config["draft_vocab_size"] == 48
+    tensors = load_file(exported / "model.safetensors")
+    spec, original = read_drafter(drafters[method])
+    d2t = original["d2t"]
+    assert torch.equal(tensors["d2t"] + torch.arange(48), d2t)  # offsets, as speculators stores them
+    assert tensors["t2d"].dtype == torch.bool and int(tensors["t2d"].sum()) == 48
+    assert tensors["lm_head.weight"].shape == (48, spec.hidden_size)
+    if method == "dflash":
+        assert config["block_size"] == spec.block_size and config["mask_token_id"] == spec.mask_token_id
+        assert config["aux_hidden_state_layer_ids"] == [t - 1 for t in spec.tap_layers]
+    else:
+        assert "layers.0.hidden_norm.weight" in tensors
+        assert config["eagle_aux_hidden_state_layer_ids"] == spec.tap_layers
+
+    back = tmp_path / "back"
+    import_speculators(exported, back)
+    spec_back, restored = read_drafter(back)
+    assert spec_back == spec
+    assert restored.keys() == original.keys()
+    for name in original:
+        assert torch.equal(restored[name], original[name]), name
+
+
+def test_export_refuses_a_format_that_does_not_exist(drafters, tiny_target, tmp_path):
+    with pytest.raises(DrafterLoadError, match="no format"):
+        export_speculators(drafters["mtp"], tiny_target, tmp_path / "x")
+
+
+def test_import_of_a_zlab_dflash_checkpoint_drafts_like_the_original(tiny_target, tiny_data, tmp_path):
+    """A z-lab-style folder (Qwen3-like layer config + dflash_config, full vocabulary, no head) written from
+    a drafter trained here with the full vocabulary; imported, it must draft the same tokens."""
+    full = tmp_path / "full"
+    train(TrainConfig("dflash", str(tiny_data), str(full), steps=3, pack_tokens=256, draft_vocab_size=10_000),
+          tiny_target, log=lambda _: None)
+    spec, tensors = read_drafter(full)
+    assert spec.draft_vocab_size == spec.target_vocab_size
+    zlab = tmp_path / "zlab"
+    zlab.mkdir()
+    save_file({k: v for k, v in tensors.items() if k != "d2t"}, str(zlab / "model.safetensors"))
+    (zlab / "config.json").write_text(json.dumps({
+        "architectures": ["DFlashDraftModel"], "model_type": "llama", "hidden_size": spec.hidden_size,
+        "intermediate_size": spec.intermediate_size, "num_attention_heads": spec.num_heads,
+        "num_key_value_heads": spec.num_kv_heads, "head_dim": spec.head_dim, "num_hidden_layers": spec.num_layers,
+        "rms_norm_eps": spec.rms_eps, "rope_theta": spec.rope_theta, "vocab_size": spec.target_vocab_size,
+        "block_size": spec.block_size,
+        "dflash_config": {"target_layer_ids": [t - 1 for t in spec.tap_layers], "mask_token_id": spec.mask_token_id},
+    }))
+    imported = tmp_path / "imported"
+    import_dflash_zlab(zlab, imported, target=tiny_target.name)
+    _, rows = load_rows(tiny_data)
+    requests = [Request(r.prompt_ids, 24) for r in rows[:4]]
+    outputs = []
+    for folder in (full, imported):
+        drafter = make_drafter("dflash", tiny_target.decoder, drafter_path=folder)
+        results = Engine(tiny_target.decoder, drafter, EngineConfig(7, 512, 1)).generate(requests)
+        outputs.append([(r.output_ids, r.stats.accepted_per_position) for r in results])
+    assert outputs[0] == outputs[1]
+
+
+def test_import_rejects_other_folders(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({"speculators_model_type": "medusa"}))
+    save_file({"x": torch.zeros(1)}, str(tmp_path / "model.safetensors"))
+    with pytest.raises(DrafterLoadError, match="medusa"):
+        import_speculators(tmp_path, tmp_path / "out")
+    with pytest.raises(DrafterLoadError, match="dflash_config"):
+        import_dflash_zlab(tmp_path, tmp_path / "out")

@@ -1,0 +1,126 @@
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from specstand.drafters import make_drafter
+from specstand.drafters.trained import TRAINED, load_drafter_model
+from specstand.engine import DecodeStats, Engine, EngineConfig, Request
+from specstand.training.data import load_rows
+from specstand.training.features import TargetFeatures, pack_rows
+from specstand.training.losses import dpace_weights, target_to_draft
+from specstand.training.trainer import TRAINER_STATE, TrainConfig, chain_objective, dflash_objective, train
+from specstand.verification import SamplingParams
+from tests.conftest import tiny_decoder
+
+STEPS = {"dflash": 300, "eagle3": 300, "mtp": 300}
+
+
+@pytest.fixture(scope="module")
+def trained(tiny_target, tiny_data, tmp_path_factory) -> dict[str, Path]:
+    """Each method trained on the tiny target's own answers (a short run and a long one)."""
+    folders = {}
+    for method in TRAINED:
+        for steps in (1, STEPS[method]):
+            out = tmp_path_factory.mktemp(f"{method}-{steps}")
+            train(TrainConfig(method, str(tiny_data), str(out), steps=steps, pack_tokens=256, save_every=100,
+                              lr=3e-3, draft_vocab_size=64), tiny_target, log=lambda _: None)
+            folders[method, steps] = out
+    return folders
+
+
+def _loss(folder: Path, target, data: Path) -> float:
+    model = load_drafter_model(folder, target.decoder.weights.embed_tokens, target.decoder.weights.lm_head)
+    _, rows = load_rows(data)
+    features = TargetFeatures(target.decoder, model.spec.tap_layers, 512)
+    pack = pack_rows([features(r.prompt_ids, r.response_ids) for r in rows if r.split == "train"])
+    t2d = target_to_draft(model.d2t, model.spec.target_vocab_size)
+    config = TrainConfig(model.spec.method, str(data), "unused", anchors=512)
+    with torch.no_grad():
+        if model.spec.method == "dflash":
+            generator = torch.Generator().manual_seed(0)
+            return dflash_objective(model, pack, t2d, config, generator, torch.zeros(7))[0].item()
+        return chain_objective(model, pack, t2d, config, soft=model.spec.method == "eagle3")[0].item()
+
+
+@pytest.mark.parametrize("method", list(TRAINED))
+def test_loss_falls(method, trained, tiny_target, tiny_data):
+    before = _loss(trained[method, 1], tiny_target, tiny_data)
+    after = _loss(trained[method, STEPS[method]], tiny_target, tiny_data)
+    assert after < 0.5 * before, (before, after)
+
+
+def _requests(data: Path, target) -> list[Request]:
+    _, rows = load_rows(data)
+    return [Request(r.prompt_ids, 40, SamplingParams(), target.stop_token_ids) for r in rows if r.split == "train"]
+
+
+@pytest.mark.parametrize("method", list(TRAINED))
+def test_copying_a_deterministic_target_reaches_high_acceptance(method, trained, tiny_target, tiny_data):
+    drafter = make_drafter(method, tiny_target.decoder, drafter_path=trained[method, STEPS[method]])
+    engine = Engine(tiny_target.decoder, drafter, EngineConfig(5, 512, 2))
+    stats = DecodeStats()
+    for result in engine.generate(_requests(tiny_data, tiny_target)):
+        stats.merge(result.stats)
+    assert stats.acceptance_per_position[0] > 0.7, stats.acceptance_per_position
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("method", list(TRAINED))
+def test_engine_is_token_identical_with_trained_drafters(method, dtype, trained, tiny_target, tiny_data):
+    decoder = tiny_decoder("llama", dtype, 512)  # the same weights as the saved tiny model
+    requests = _requests(tiny_data, tiny_target)
+    plain = Engine(decoder, None, EngineConfig(5, 512, 3)).generate(requests)
+    for steps in (1, STEPS[method]):  # a poor and a good drafter
+        drafter = make_drafter(method, decoder, drafter_path=trained[method, steps])
+        drafted = Engine(decoder, drafter, EngineConfig(5, 512, 3)).generate(requests)
+        assert [r.output_ids for r in drafted] == [r.output_ids for r in plain]
+
+
+def test_dpace_weights_match_a_hand_computed_example():
+    # q = (0.8, 0.6, 0.4), alpha 0.5 -> a = (0.9, 0.8, 0.7); survival (0.9, 0.72, 0.504);
+    # weight_j = sum_{k>=j} survival_k = (2.124, 1.224, 0.504); mean 1.284
+    weights = dpace_weights(torch.tensor([0.8, 0.6, 0.4]), alpha=0.5)
+    expected = torch.tensor([2.124, 1.224, 0.504]) / 1.284
+    torch.testing.assert_close(weights, expected)
+    assert weights[0] > weights[1] > weights[2]
+
+
+def _train_cli(data: Path, out: Path, model_dir: Path, steps: int) -> subprocess.Popen:
+    return subprocess.Popen(
+        [sys.executable, "-m", "specstand.cli", "train", "--method", "dflash", "--model", str(model_dir),
+         "--dtype", "fp32", "--data", str(data), "--out", str(out), "--steps", str(steps), "--save-every", "5",
+         "--pack-tokens", "256", "--draft-vocab", "64"],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )
+
+
+def test_a_killed_training_run_resumes_to_the_same_weights(tiny_data, tiny_model_dir, tmp_path):
+    straight = tmp_path / "straight"
+    assert _train_cli(tiny_data, straight, tiny_model_dir, 30).wait(timeout=300) == 0
+    interrupted = tmp_path / "interrupted"
+    process = _train_cli(tiny_data, interrupted, tiny_model_dir, 30)
+    deadline = time.time() + 300
+    while time.time() < deadline:  # kill it once a mid-run checkpoint exists
+        state = interrupted / TRAINER_STATE
+        if state.is_file() and torch.load(state, weights_only=False)["step"] >= 10:
+            break
+        time.sleep(0.05)
+    process.kill()
+    process.wait()
+    step = torch.load(interrupted / TRAINER_STATE, weights_only=False)["step"]
+    assert 10 <= step < 30
+    resumed = _train_cli(tiny_data, interrupted, tiny_model_dir, 30)
+    output = resumed.communicate(timeout=300)[0]
+    assert resumed.returncode == 0, output
+    assert f"resuming dflash from step {step}" in output
+    a, b = load_file(straight / "model.safetensors"), load_file(interrupted / "model.safetensors")
+    assert a.keys() == b.keys()
+    for name in a:
+        assert torch.equal(a[name], b[name]), name

@@ -107,10 +107,12 @@ def _training_parsers(commands) -> None:
     data.add_argument("--max-seq-len", type=int, default=2048)
 
     train = commands.add_parser("train", help="online distillation of a drafter from the frozen target")
-    train.add_argument("--method", required=True, help="eagle3, dflash or mtp")
+    train.add_argument("--method", required=True,
+                       help="eagle3, dflash or mtp; several (a,b) share one pass of the target over the data")
     train.add_argument("--model", default="smollm2-135m")
     train.add_argument("--data", type=Path, required=True, help="a `train-data` folder")
-    train.add_argument("--out", type=Path, required=True, help="checkpoint folder (resumed when it holds one)")
+    train.add_argument("--out", type=Path, required=True,
+                       help="checkpoint folder, resumed when it holds one (several methods: OUT/<method>)")
     train.add_argument("--dtype", default="bf16", choices=["bf16", "fp32"])
     for name, kind, default in [("steps", int, 500), ("lr", float, 1e-3), ("pack-tokens", int, 2048),
                                 ("save-every", int, 50), ("seed", int, 0), ("layers", int, 0),
@@ -349,9 +351,9 @@ def cmd_bench(args: argparse.Namespace) -> None:
 
 def cmd_train_data(args: argparse.Namespace) -> None:
     from specstand.models import load_model
-    from specstand.training.data import generate_rows, save_rows
+    from specstand.training.data import HELDOUT_WORKLOAD, generate_rows, heldout_turn, save_rows
     from specstand.verification import SamplingParams
-    from specstand.workloads import load_workload
+    from specstand.workloads import load_workload, save_workload
 
     if not 0 <= args.heldout < 1:
         raise CliError("--heldout must be in [0, 1)")
@@ -374,22 +376,29 @@ def cmd_train_data(args: argparse.Namespace) -> None:
             "temperature": args.temperature, "heldout_share": args.heldout,
             "seconds": round(time.perf_counter() - started)}
     save_rows(args.out, rows, meta)
-    _log(f"wrote {len(rows)} rows ({sum(r.split == 'heldout' for r in rows)} held out) to {args.out}")
+    save_workload([t for t in turns if heldout_turn(t.turn_id, args.heldout)], args.out / HELDOUT_WORKLOAD)
+    _log(f"wrote {len(rows)} rows ({sum(r.split == 'heldout' for r in rows)} held out) to {args.out}; "
+         f"the held-out turns, to bench on: {args.out / HELDOUT_WORKLOAD}")
 
 
 def cmd_train(args: argparse.Namespace) -> None:
     from specstand.models import load_model
-    from specstand.training.trainer import TrainConfig, train
+    from specstand.training.features import TargetFeatures
+    from specstand.training.trainer import TrainConfig, tap_layers_for, train
 
-    config = TrainConfig(
-        method=args.method, data=str(args.data), out=str(args.out), steps=args.steps, lr=args.lr,
-        pack_tokens=args.pack_tokens, save_every=args.save_every, seed=args.seed, num_layers=args.layers,
-        intermediate_size=args.intermediate_size, draft_vocab_size=args.draft_vocab, num_taps=args.num_taps,
-        block_size=args.block_size, anchors=args.anchors, train_steps=args.train_steps,
-    )
-    model = load_model(args.model, args.dtype, config.max_len, log=_log)
-    train(config, model, log=_log)
-    _log(f"drafter written to {args.out}")
+    methods = [m for m in args.method.split(",") if m]
+    configs = [TrainConfig(
+        method=method, data=str(args.data), out=str(args.out / method if len(methods) > 1 else args.out),
+        steps=args.steps, lr=args.lr, pack_tokens=args.pack_tokens, save_every=args.save_every, seed=args.seed,
+        num_layers=args.layers, intermediate_size=args.intermediate_size, draft_vocab_size=args.draft_vocab,
+        num_taps=args.num_taps, block_size=args.block_size, anchors=args.anchors, train_steps=args.train_steps,
+    ) for method in methods]
+    model = load_model(args.model, args.dtype, configs[0].max_len, log=_log)
+    taps = [t for c in configs for t in tap_layers_for(c, model.decoder.shape.num_layers)]
+    features = TargetFeatures(model.decoder, taps, min(configs[0].max_len, model.max_positions))
+    for config in configs:
+        train(config, model, log=_log, features=features)
+        _log(f"{config.method} drafter written to {config.out}")
 
 
 def cmd_eval_drafter(args: argparse.Namespace) -> None:

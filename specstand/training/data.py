@@ -19,6 +19,7 @@ from specstand.workloads import Turn
 
 ROWS = "rows.jsonl"
 META = "meta.json"
+HELDOUT_WORKLOAD = "heldout.jsonl"  # the held-out turns as a workload, for `specstand bench`
 
 
 @dataclass

@@ -16,7 +16,7 @@ from specstand.runner.transformer import DecoderModel
 @dataclass
 class RowFeatures:
     tokens: torch.Tensor  # [T] prompt + response
-    taps: torch.Tensor  # [T, len(tap_layers) * H] bf16, the layers in the drafter's order
+    taps: dict[int, torch.Tensor]  # layer -> [T, H] bf16
     final: torch.Tensor  # [T, H] bf16, the target's final normed hidden state
     next_label: torch.Tensor  # [T] the target's argmax at p (its guess of token p+1); -1 unless p+1 is a response token
 
@@ -25,11 +25,20 @@ class RowFeatures:
 
 
 class TargetFeatures:
+    """Computes row features once per row and keeps them in memory, for every drafter trained in this
+    process: tap the union of the layers they read."""
+
     def __init__(self, target: DecoderModel, tap_layers: list[int], max_len: int) -> None:
         self.target = target
-        self.tap_layers = tuple(tap_layers)
+        self.tap_layers = tuple(sorted(set(tap_layers)))
         self.final_layer = target.shape.num_layers
         self.runner = TargetRunner(target, 1, max_len)
+        self._rows: dict[int, RowFeatures] = {}
+
+    def row(self, index: int, prompt_ids: list[int], response_ids: list[int]) -> RowFeatures:
+        if index not in self._rows:
+            self._rows[index] = self(prompt_ids, response_ids)
+        return self._rows[index]
 
     @torch.inference_mode()
     def __call__(self, prompt_ids: list[int], response_ids: list[int]) -> RowFeatures:
@@ -47,7 +56,7 @@ class TargetFeatures:
             next_label[first:-1] = logits.argmax(-1)
         return RowFeatures(
             tokens=torch.tensor(tokens),
-            taps=torch.cat([taps[layer] for layer in self.tap_layers], dim=-1).to(torch.bfloat16),
+            taps={layer: taps[layer].to(torch.bfloat16) for layer in self.tap_layers},
             final=final.to(torch.bfloat16),
             next_label=next_label,
         )
@@ -65,12 +74,13 @@ class Pack:
     next_label: torch.Tensor
 
 
-def pack_rows(rows: list[RowFeatures]) -> Pack:
+def pack_rows(rows: list[RowFeatures], tap_layers: list[int]) -> Pack:
+    """Concatenate rows; a row's taps become [T, len(tap_layers) * H] in the drafter's layer order."""
     return Pack(
         tokens=torch.cat([r.tokens for r in rows]),
         positions=torch.cat([torch.arange(len(r)) for r in rows]),
         docs=torch.cat([torch.full((len(r),), i) for i, r in enumerate(rows)]),
-        taps=torch.cat([r.taps for r in rows]).float(),
+        taps=torch.cat([torch.cat([r.taps[layer] for layer in tap_layers], dim=-1) for r in rows]).float(),
         final=torch.cat([r.final for r in rows]).float(),
         next_label=torch.cat([r.next_label for r in rows]),
     )

@@ -26,7 +26,7 @@ from specstand.drafters.target_parts import TargetParts
 from specstand.drafters.trained import TRAINED, build_model, drafter_state, save_drafter
 from specstand.models import LoadedModel
 from specstand.training.data import load_rows
-from specstand.training.features import Pack, RowFeatures, TargetFeatures, pack_rows, plan_packs
+from specstand.training.features import Pack, TargetFeatures, pack_rows, plan_packs
 from specstand.training.losses import chain_step_loss, dflash_loss, dpace_weights, target_to_draft
 
 TRAINER_STATE = "trainer.pt"
@@ -69,9 +69,14 @@ class TrainConfig:
         return self.step_decay or {"eagle3": 0.8, "mtp": 0.6}.get(self.method, 1.0)
 
 
+def tap_layers_for(config: TrainConfig, num_layers: int) -> list[int]:
+    if config.method == "dflash":
+        return TRAINED["dflash"][0](num_layers, config.num_taps)
+    return TRAINED[config.method][0](num_layers)
+
+
 def make_spec(config: TrainConfig, target: LoadedModel, mask_token_id: int) -> DrafterSpec:
     shape = target.decoder.shape
-    taps = {"dflash": lambda n: TRAINED["dflash"][0](n, config.num_taps)}.get(config.method, TRAINED[config.method][0])
     intermediate = config.intermediate_size or min(target.decoder.weights.layers[0].down.shape[1], 1536)
     arch = json.loads((Path(target.path) / "config.json").read_text()).get("architectures", [""])[0] \
         if (Path(target.path) / "config.json").is_file() else ""
@@ -80,7 +85,8 @@ def make_spec(config: TrainConfig, target: LoadedModel, mask_token_id: int) -> D
         hidden_size=shape.hidden_size, num_heads=shape.num_heads, num_kv_heads=shape.num_kv_heads,
         head_dim=shape.head_dim, intermediate_size=intermediate,
         num_layers=config.num_layers or (2 if config.method == "dflash" else 1), rms_eps=shape.rms_eps,
-        rope_theta=10000.0, tap_layers=list(taps(shape.num_layers)), draft_vocab_size=config.draft_vocab_size,
+        rope_theta=10000.0, tap_layers=tap_layers_for(config, shape.num_layers),
+        draft_vocab_size=config.draft_vocab_size,
         block_size=config.block_size if config.method == "dflash" else 0, mask_token_id=mask_token_id,
         train_steps=config.train_steps if config.method != "dflash" else 0,
     )
@@ -170,8 +176,11 @@ def _save_state(out: Path, model: torch.nn.Module, optimizer: torch.optim.Optimi
     save_drafter(model, out)
 
 
-def train(config: TrainConfig, target: LoadedModel, log=print) -> torch.nn.Module:
-    """Train (or resume) into config.out; returns the trained drafter model."""
+def train(
+    config: TrainConfig, target: LoadedModel, log=print, features: TargetFeatures | None = None
+) -> torch.nn.Module:
+    """Train (or resume) into config.out; returns the trained drafter model. `features` may be shared by
+    several drafters trained on the same data in one process (it must tap their layers)."""
     torch.manual_seed(config.seed)
     random.seed(config.seed)
     out = Path(config.out)
@@ -204,7 +213,9 @@ def train(config: TrainConfig, target: LoadedModel, log=print) -> torch.nn.Modul
         log(f"resuming {spec.method} from step {start} of {config.steps} ({out / TRAINER_STATE})")
     t2d = target_to_draft(draft_ids, spec.target_vocab_size)
     max_len = min(config.max_len, target.decoder.max_positions)
-    features = TargetFeatures(target.decoder, spec.tap_layers, max_len)
+    features = features or TargetFeatures(target.decoder, spec.tap_layers, max_len)
+    if not set(spec.tap_layers) <= set(features.tap_layers):
+        raise ValueError(f"the shared target features tap {features.tap_layers}, not {spec.tap_layers}")
     lengths = [min(len(r.prompt_ids) + len(r.response_ids), max_len) for r in rows]
     schedule: list[list[int]] = []
     epoch = 0
@@ -212,15 +223,12 @@ def train(config: TrainConfig, target: LoadedModel, log=print) -> torch.nn.Modul
         order = torch.randperm(len(rows), generator=torch.Generator().manual_seed(config.seed * 7919 + epoch)).tolist()
         schedule += plan_packs(lengths, config.pack_tokens, order)
         epoch += 1
-    cached: dict[int, RowFeatures] = {}
     model.train()
     began = time.perf_counter() - elapsed
     bar = tqdm(range(start, config.steps), initial=start, total=config.steps, desc=f"train {spec.method}")
     for step in bar:
-        for i in schedule[step]:
-            if i not in cached:
-                cached[i] = features(rows[i].prompt_ids, rows[i].response_ids)
-        pack = pack_rows([cached[i] for i in schedule[step]])
+        rows_of_step = [features.row(i, rows[i].prompt_ids, rows[i].response_ids) for i in schedule[step]]
+        pack = pack_rows(rows_of_step, spec.tap_layers)
         for group in optimizer.param_groups:
             group["lr"] = learning_rate(config, step)
         generator = torch.Generator().manual_seed(config.seed * 1_000_003 + step)

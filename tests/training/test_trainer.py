@@ -39,7 +39,8 @@ def _loss(folder: Path, target, data: Path) -> float:
     model = load_drafter_model(folder, target.decoder.weights.embed_tokens, target.decoder.weights.lm_head)
     _, rows = load_rows(data)
     features = TargetFeatures(target.decoder, model.spec.tap_layers, 512)
-    pack = pack_rows([features(r.prompt_ids, r.response_ids) for r in rows if r.split == "train"])
+    pack = pack_rows([features(r.prompt_ids, r.response_ids) for r in rows if r.split == "train"],
+                     model.spec.tap_layers)
     t2d = target_to_draft(model.d2t, model.spec.target_vocab_size)
     config = TrainConfig(model.spec.method, str(data), "unused", anchors=512)
     with torch.no_grad():

@@ -76,7 +76,8 @@ def export_speculators(drafter: Path, target: LoadedModel, out: Path) -> None:
             "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": k, "verifier_accept_k": 1,
                                   "accept_tolerance": 0.0}],
             "default_proposal_method": "greedy",
-            "verifier": {"name_or_path": spec.target, "architectures": [spec.target_architecture]},
+            # the folder the verifier was loaded from: a vLLM user may put the hub id there instead
+            "verifier": {"name_or_path": target.path, "architectures": [spec.target_architecture]},
         },
         "transformer_layer_config": _layer_config(spec),
         "draft_vocab_size": spec.draft_vocab_size,

@@ -89,6 +89,7 @@ def make_spec(config: TrainConfig, target: LoadedModel, mask_token_id: int) -> D
         draft_vocab_size=config.draft_vocab_size,
         block_size=config.block_size if config.method == "dflash" else 0, mask_token_id=mask_token_id,
         train_steps=config.train_steps if config.method != "dflash" else 0,
+        qk_norm=config.method == "dflash",  # Qwen3-style layers, as speculators' and z-lab's DFlash have
     )
 
 

@@ -33,7 +33,7 @@ def test_export_import_round_trip_is_bit_exact(method, drafters, tiny_target, tm
     assert config["speculators_model_type"] == method
     proposal = config["speculators_config"]["proposal_methods"][0]
     assert proposal["proposal_type"] == "greedy" and proposal["speculative_tokens"] >= 1
-    assert config["speculators_config"]["verifier"]["name_or_path"] == tiny_target.name
+    assert config["speculators_config"]["verifier"]["name_or_path"] == tiny_target.path
     assert config["draft_vocab_size"] == 48
     tensors = load_file(exported / "model.safetensors")
     spec, original = read_drafter(drafters[method])

@@ -1,0 +1,55 @@
+"""The training commands end to end on the tiny model: train-data -> train -> eval-drafter -> export ->
+import -> generate with the drafter; and one readable line on bad input."""
+
+from __future__ import annotations
+
+import json
+
+from specstand.cli import main
+from specstand.workloads import save_workload
+from tests.conftest import tiny_turns
+
+
+def _run(capsys, *argv: str) -> tuple[int, str, str]:
+    code = main(list(argv))
+    captured = capsys.readouterr()
+    return code, captured.out, captured.err
+
+
+def test_train_evaluate_export_import_and_generate(capsys, tiny_model_dir, tmp_path):
+    workload = tmp_path / "w.jsonl"
+    save_workload(tiny_turns(12), workload)
+    data, drafters = tmp_path / "data", tmp_path / "drafters"
+    model = ("--model", str(tiny_model_dir), "--dtype", "fp32")
+    assert _run(capsys, "train-data", *model, "--workload", str(workload), "--out", str(data),
+                "--heldout", "0.3")[0] == 0
+    assert (data / "heldout.jsonl").is_file() and json.loads((data / "meta.json").read_text())["rows"] == 12
+    code, _, err = _run(capsys, "train", "--method", "dflash,eagle3", *model, "--data", str(data),
+                        "--out", str(drafters), "--steps", "4", "--pack-tokens", "256", "--draft-vocab", "64")
+    assert code == 0, err
+    code, out, err = _run(capsys, "eval-drafter", *model, "--drafter", str(drafters / "dflash"), "--data", str(data),
+                          "--k", "2,3", "--write-card", "--json", str(tmp_path / "eval.json"))
+    assert code == 0, err
+    figures = json.loads((tmp_path / "eval.json").read_text())["figures"]
+    assert [f["k"] for f in figures] == [2, 3] and all(f["identical"] for f in figures)
+    assert "| 3 |" in out and "Held-out calls" in (drafters / "dflash" / "README.md").read_text()
+    assert _run(capsys, "export", "--model", str(tiny_model_dir), str(drafters / "eagle3"), str(tmp_path / "x"))[0] == 0
+    assert _run(capsys, "import", str(tmp_path / "x"), str(tmp_path / "back"))[0] == 0
+    code, out, _ = _run(capsys, "generate", *model, "--method", "eagle3", "--drafter", str(tmp_path / "back"),
+                        "--prompt", "w3 w4 w5 w3 w4", "--max-tokens", "8", "--json")
+    plain = _run(capsys, "generate", *model, "--prompt", "w3 w4 w5 w3 w4", "--max-tokens", "8", "--json")[1]
+    assert code == 0 and json.loads(out)["token_ids"] == json.loads(plain)["token_ids"]
+
+
+def test_training_commands_fail_in_one_line(capsys, tiny_model_dir, tmp_path):
+    cases = [
+        ("train", "--method", "medusa", "--model", str(tiny_model_dir), "--data", str(tmp_path), "--out", "o"),
+        ("train", "--method", "dflash", "--model", str(tiny_model_dir), "--data", str(tmp_path), "--out", "o"),
+        ("eval-drafter", "--model", str(tiny_model_dir), "--drafter", str(tmp_path), "--data", str(tmp_path)),
+        ("generate", "--model", str(tiny_model_dir), "--method", "dflash", "--prompt", "w3"),
+        ("export", str(tmp_path), str(tmp_path / "x")),
+    ]
+    for argv in cases:
+        code, _, err = _run(capsys, *argv)
+        assert code != 0, argv
+        assert len(err.strip().splitlines()) == 1 and err.startswith("specstand: error: "), (argv, err)

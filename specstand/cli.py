@@ -402,12 +402,12 @@ def cmd_train(args: argparse.Namespace) -> None:
 
 
 def cmd_eval_drafter(args: argparse.Namespace) -> None:
-    from specstand.drafters.trained import read_drafter
+    from specstand.drafters.trained import read_spec
     from specstand.models import load_model
     from specstand.training.data import load_rows
     from specstand.training.evaluate import as_dicts, evaluate_drafter, write_card
 
-    spec, _ = read_drafter(args.drafter)
+    spec = read_spec(args.drafter)
     most = spec.block_size - 1 if spec.method == "dflash" else 5
     try:
         ks = sorted({int(k) for k in args.k.split(",")}) if args.k else sorted({1, 2, 4, most})
@@ -434,11 +434,11 @@ def cmd_eval_drafter(args: argparse.Namespace) -> None:
 
 
 def cmd_export(args: argparse.Namespace) -> None:
-    from specstand.drafters.trained import read_drafter
+    from specstand.drafters.trained import read_spec
     from specstand.interop.speculators import export_speculators
     from specstand.models import load_model
 
-    spec, _ = read_drafter(args.drafter)
+    spec = read_spec(args.drafter)
     model = load_model(args.model or spec.target, "bf16", 2048, log=_log)
     export_speculators(args.drafter, model, args.out)
     _log(f"wrote {args.out / 'config.json'} and {args.out / 'model.safetensors'} (speculators {spec.method})")
@@ -453,11 +453,11 @@ def cmd_import(args: argparse.Namespace) -> None:
 
 
 def _drafters_by_method(folders: list[Path]) -> dict[str, Path]:
-    from specstand.drafters.trained import read_drafter
+    from specstand.drafters.trained import read_spec
 
     found = {}
     for folder in folders:
-        spec, _ = read_drafter(folder)
+        spec = read_spec(folder)
         if spec.method in found:
             raise CliError(f"two --drafter folders for {spec.method}: {found[spec.method]} and {folder}")
         found[spec.method] = folder

@@ -17,7 +17,7 @@ from tqdm import tqdm
 from specstand.bench.endpoints import OpenAIEndpoint
 from specstand.bench.replay import assign_turns, replay
 from specstand.bench.report import RunResult, write_report
-from specstand.drafters.trained import read_drafter, shipped_drafter
+from specstand.drafters.trained import read_spec, shipped_drafter
 from specstand.workloads import Turn
 
 SERVER_START_TIMEOUT_S = 600
@@ -69,7 +69,7 @@ def start_server(method: str, model: str, k: int | None, max_batch: int, dtype: 
 def _default_k(method: str, model: str, drafter: Path | None) -> int:
     folder = drafter or shipped_drafter(model, method)
     if method == "dflash" and folder is not None:
-        return read_drafter(folder)[0].block_size - 1
+        return read_spec(folder).block_size - 1
     return 5
 
 

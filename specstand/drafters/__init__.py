@@ -12,7 +12,7 @@ from pathlib import Path
 from specstand.drafters.base import Draft, Drafter, HiddenRows, SequenceView
 from specstand.drafters.ngram import NgramConfig, NgramDrafter
 from specstand.drafters.suffix import SuffixConfig, SuffixDrafter
-from specstand.drafters.trained import TRAINED, DrafterLoadError, load_drafter, read_drafter, shipped_drafter
+from specstand.drafters.trained import TRAINED, DrafterLoadError, load_drafter, read_spec, shipped_drafter
 from specstand.runner.transformer import DecoderModel
 
 # method name -> factory; `none` means no drafter
@@ -39,7 +39,7 @@ def make_drafter(method: str, target: DecoderModel | None = None, target_name: s
                                f"{target_name or 'this model'}; train one (`specstand train`) and pass --drafter")
     if target is None:
         raise ValueError("a trained drafter needs its target model")
-    spec, _ = read_drafter(path)
+    spec = read_spec(path)
     if spec.method != method:
         raise DrafterLoadError(f"drafter {path} is a {spec.method} drafter, not {method}")
     return load_drafter(path, target.weights.embed_tokens, target.weights.lm_head)

@@ -75,15 +75,31 @@ def save_tensors(spec: DrafterSpec, state: dict[str, torch.Tensor], folder: Path
     os.replace(tmp, folder / "config.json")
 
 
-def read_drafter(folder: Path) -> tuple[DrafterSpec, dict[str, torch.Tensor]]:
+def _open(folder: Path):
     path = Path(folder) / WEIGHTS
     if not path.is_file():
         raise DrafterLoadError(f"{folder} holds no trained drafter ({WEIGHTS} missing)")
-    with safe_open(str(path), framework="pt") as f:
-        metadata = f.metadata() or {}
-        if "spec" not in metadata:
-            raise DrafterLoadError(f"{path} carries no specstand drafter spec (import other formats first)")
-        return DrafterSpec.from_json(metadata["spec"]), {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118 - safe_open is not iterable
+    return safe_open(str(path), framework="pt")
+
+
+def _spec(f, folder: Path) -> DrafterSpec:
+    metadata = f.metadata() or {}
+    if "spec" not in metadata:
+        raise DrafterLoadError(
+            f"{Path(folder) / WEIGHTS} carries no specstand drafter spec (import other formats first)"
+        )
+    return DrafterSpec.from_json(metadata["spec"])
+
+
+def read_spec(folder: Path) -> DrafterSpec:
+    """The drafter's spec alone (the file's metadata; no tensor is read)."""
+    with _open(folder) as f:
+        return _spec(f, folder)
+
+
+def read_drafter(folder: Path) -> tuple[DrafterSpec, dict[str, torch.Tensor]]:
+    with _open(folder) as f:
+        return _spec(f, folder), {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118 - safe_open is not iterable
 
 
 def load_drafter_model(folder: Path, embed_tokens: torch.Tensor, lm_head: torch.Tensor) -> ChainModel | DFlashModel:

@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 
 from specstand.drafters import Draft, Drafter, SequenceView, make_drafter
-from specstand.drafters.trained import read_drafter
+from specstand.drafters.trained import read_drafter, read_spec
 from specstand.engine import DecodeStats, Engine, EngineConfig, Request
 from specstand.models import LoadedModel
 from specstand.runner import PassInput, TargetRunner
@@ -93,7 +93,7 @@ def _run(model: LoadedModel, drafter: Drafter | None, k: int, requests: list[Req
 
 def evaluate_drafter(model: LoadedModel, drafter_path: Path, rows: list[TrainRow], ks: list[int],
                      max_len: int, log=print) -> list[KEvaluation]:
-    spec, _ = read_drafter(drafter_path)
+    spec = read_spec(drafter_path)
     requests = [Request(r.prompt_ids, max(len(r.response_ids), 1), stop_token_ids=model.stop_token_ids)
                 for r in rows if len(r.prompt_ids) + len(r.response_ids) + max(ks) + 8 < max_len]
     if not requests:

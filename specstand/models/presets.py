@@ -111,7 +111,6 @@ def _find_wheel(wheel_dir: Path, requirement: str) -> Path:
 
 
 def _convert(gguf_path: Path, out_dir: Path) -> None:
-    import safetensors.torch
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -120,7 +119,7 @@ def _convert(gguf_path: Path, out_dir: Path) -> None:
     tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=file)
     out_dir.mkdir()
     # save_pretrained refuses GGUF-loaded models; save the tensors and a clean config ourselves
-    safetensors.torch.save_model(model, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
+    save_weights(model, out_dir / "model.safetensors")
     config = model.config.to_dict()
     config.pop("quantization_config", None)
     config.pop("_name_or_path", None)
@@ -129,3 +128,14 @@ def _convert(gguf_path: Path, out_dir: Path) -> None:
     (out_dir / "config.json").write_text(json.dumps(config, indent=2))
     model.generation_config.save_pretrained(out_dir)
     tokenizer.save_pretrained(out_dir)
+
+
+def save_weights(model, path: Path) -> None:
+    """The model's tensors as HF checkpoints store them: a tied head is kept once, under the embedding's
+    name (tools that read the file directly, such as speculators' verifier loading, look for it there)."""
+    import safetensors.torch
+
+    state = model.state_dict()
+    if getattr(model.config, "tie_word_embeddings", False):
+        state.pop("lm_head.weight", None)
+    safetensors.torch.save_file({k: v.contiguous() for k, v in state.items()}, str(path), metadata={"format": "pt"})

@@ -78,8 +78,9 @@ def tap_layers_for(config: TrainConfig, num_layers: int) -> list[int]:
 def make_spec(config: TrainConfig, target: LoadedModel, mask_token_id: int) -> DrafterSpec:
     shape = target.decoder.shape
     intermediate = config.intermediate_size or min(target.decoder.weights.layers[0].down.shape[1], 1536)
-    arch = json.loads((Path(target.path) / "config.json").read_text()).get("architectures", [""])[0] \
-        if (Path(target.path) / "config.json").is_file() else ""
+    config_file = Path(target.path) / "config.json"
+    architectures = json.loads(config_file.read_text()).get("architectures") if config_file.is_file() else None
+    arch = (architectures or [""])[0]
     return DrafterSpec(
         method=config.method, target=target.name, target_architecture=arch, target_vocab_size=shape.vocab_size,
         hidden_size=shape.hidden_size, num_heads=shape.num_heads, num_kv_heads=shape.num_kv_heads,

@@ -84,3 +84,21 @@ def test_resolve_model_path_errors(tmp_path):
         resolve_model_path(str(tmp_path))
     with pytest.raises(ValueError, match="unknown model preset"):
         presets.fetch("nope")
+
+
+def test_tied_head_is_saved_under_the_embedding_name(tmp_path: Path) -> None:
+    import safetensors
+    import torch
+    from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
+
+    from tests.conftest import COMMON
+
+    model = LlamaForCausalLM(LlamaConfig(**COMMON, tie_word_embeddings=True))
+    model.save_pretrained(tmp_path)  # config and generation config; the weights are replaced below
+    (tmp_path / "model.safetensors").unlink()
+    presets.save_weights(model, tmp_path / "model.safetensors")
+    with safetensors.safe_open(tmp_path / "model.safetensors", "pt") as f:
+        names = set(f.keys())
+    assert "model.embed_tokens.weight" in names and "lm_head.weight" not in names
+    reloaded = AutoModelForCausalLM.from_pretrained(tmp_path)
+    assert torch.equal(reloaded.lm_head.weight, model.model.embed_tokens.weight)

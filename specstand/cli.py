@@ -61,6 +61,8 @@ def build_parser() -> argparse.ArgumentParser:
     imp.add_argument("source", choices=["complexfuncbench", "nestful", "spec-bench"])
     imp.add_argument("--out", type=Path, required=True)
     imp.add_argument("--limit", type=int, default=None, help="at most this many turns")
+    imp.add_argument("--skip", type=int, default=0,
+                     help="leave out the first N turns that fit (e.g. those a drafter was trained on)")
     imp.add_argument("--max-prompt-chars", type=int, default=6000, help="skip turns with a longer call prompt")
     imp.add_argument("--max-result-chars", type=int, default=600, help="truncate recorded tool results")
     imp.add_argument("--max-tokens", type=int, default=None, help="answer budget per call")
@@ -269,12 +271,16 @@ def cmd_workload(args: argparse.Namespace) -> None:
 
     if args.limit is not None and args.limit < 1:
         raise CliError("--limit must be >= 1")
+    if args.skip < 0:
+        raise CliError("--skip must be >= 0")
+    wanted = None if args.limit is None else args.skip + args.limit
     if args.source == "spec-bench":
-        turns = import_spec_bench(args.spec_bench_file or SPEC_BENCH, args.limit, args.max_prompt_chars,
+        turns = import_spec_bench(args.spec_bench_file or SPEC_BENCH, wanted, args.max_prompt_chars,
                                   args.max_tokens or 256)
     else:
-        turns = import_tool_calls(args.source, nestful_wheel(log=_log), args.limit, args.max_result_chars,
+        turns = import_tool_calls(args.source, nestful_wheel(log=_log), wanted, args.max_result_chars,
                                   args.max_prompt_chars, args.max_tokens or 128)
+    turns = turns[args.skip:]
     if not turns:
         raise CliError("no turn fits the limits; raise --max-prompt-chars")
     save_workload(turns, args.out)

@@ -77,3 +77,17 @@ def test_console_entry_point_has_no_traceback(tiny_model_dir):
     )
     assert done.returncode != 0
     assert done.stderr.strip() == "specstand: error: --max-tokens must be > 0"
+
+
+def test_workload_import_skips_turns(capsys, tmp_path):
+    questions = tmp_path / "q.jsonl"
+    questions.write_text("\n".join(json.dumps({"question_id": i, "category": "qa", "turns": [f"q{i}"]})
+                                   for i in range(5)))
+    out = tmp_path / "w.jsonl"
+    code, _, _ = _run(capsys, "workload", "import", "spec-bench", "--spec-bench-file", str(questions),
+                      "--out", str(out), "--skip", "3", "--limit", "1")
+    assert code == 0
+    assert [json.loads(line)["turn_id"] for line in out.read_text().splitlines()] == ["spec-bench-3"]
+    code, _, err = _run(capsys, "workload", "import", "spec-bench", "--spec-bench-file", str(questions),
+                        "--out", str(out), "--skip", "-1")
+    assert code != 0 and err.strip() == "specstand: error: --skip must be >= 0"

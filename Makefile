@@ -36,10 +36,22 @@ demo: install
 
 # Trained drafters for $(MODEL), as shipped in drafters/: the target answers the first $(DRAFTER_CALLS) agent calls
 # (fp32, 8 at a time: on CPUs without bf16 matrix units several times faster than bf16); the three methods
-# train together on one pass of the target over the rows; DFlash (about 1 s a step once that pass is in
-# memory) is then resumed to 1200 steps; each is evaluated on held-out turns and gets a model card.
+# train together on one pass of the target over the rows; each is evaluated on held-out turns and gets a
+# model card. SmolLM2: DFlash (about 1 s a step once that pass is in memory) is then resumed to 1200 steps.
+# Qwen (896 wide): a narrower MLP and a 6144-token draft vocabulary keep each drafter under 30 MB; the
+# target's pass runs in fp32 (bf16 batches are slow on such CPUs).
 DRAFTERS := out/drafters
+ifeq ($(MODEL),qwen2.5-coder-0.5b)
+DRAFTER_CALLS ?= 160
+TRAIN_FLAGS ?= --dtype fp32 --intermediate-size 1024 --draft-vocab 6144
+DFLASH_STEPS ?= 300
+EVAL_CALLS ?= 6
+else
 DRAFTER_CALLS ?= 300
+TRAIN_FLAGS ?=
+DFLASH_STEPS ?= 1200
+EVAL_CALLS ?= 12
+endif
 drafters: install
 	$(VENV)/bin/specstand models fetch $(MODEL)
 	mkdir -p $(DRAFTERS)
@@ -50,14 +62,15 @@ drafters: install
 		--max-batch 8 --workload $(DRAFTERS)/complexfuncbench.jsonl --workload $(DRAFTERS)/nestful.jsonl \
 		--out $(DRAFTERS)/data-$(MODEL) --limit-calls $(DRAFTER_CALLS)
 	$(VENV)/bin/specstand train --method dflash,eagle3,mtp --model $(MODEL) --data $(DRAFTERS)/data-$(MODEL) \
-		--out $(DRAFTERS)/$(MODEL) --steps 300
-	$(VENV)/bin/specstand train --method dflash --model $(MODEL) --data $(DRAFTERS)/data-$(MODEL) \
-		--out $(DRAFTERS)/$(MODEL)/dflash --steps 1200 --save-every 100
+		--out $(DRAFTERS)/$(MODEL) --steps 300 $(TRAIN_FLAGS)
+	test $(DFLASH_STEPS) -le 300 || $(VENV)/bin/specstand train --method dflash --model $(MODEL) \
+		--data $(DRAFTERS)/data-$(MODEL) --out $(DRAFTERS)/$(MODEL)/dflash --steps $(DFLASH_STEPS) --save-every 100 \
+		$(TRAIN_FLAGS)
 	$(VENV)/bin/specstand eval-drafter --model $(MODEL) --drafter $(DRAFTERS)/$(MODEL)/dflash \
-		--data $(DRAFTERS)/data-$(MODEL) --limit 12 --k 3,7 --write-card
+		--data $(DRAFTERS)/data-$(MODEL) --limit $(EVAL_CALLS) --k 3,7 --write-card
 	for method in eagle3 mtp; do $(VENV)/bin/specstand eval-drafter --model $(MODEL) \
-		--drafter $(DRAFTERS)/$(MODEL)/$$method --data $(DRAFTERS)/data-$(MODEL) --limit 12 --k 3,5 --write-card \
-		|| exit 1; done
+		--drafter $(DRAFTERS)/$(MODEL)/$$method --data $(DRAFTERS)/data-$(MODEL) --limit $(EVAL_CALLS) --k 3,5 \
+		--write-card || exit 1; done
 
 bench: install
 	$(PY) benchmarks/generate_vs_hf.py --model $(MODEL)

@@ -67,7 +67,7 @@ class Drafter(ABC):
     ) -> None:
         """`new_tokens` were appended to `seq.token_ids` (accepted draft + target token). `hidden` holds
         the target's `tap_layers` at the positions that entered its cache with this pass (only for
-        drafters that ask for taps)."""
+        drafters that ask for taps). Not called for the pass that finishes a request."""
 
     def end(self, seq: SequenceView) -> None:  # noqa: B027 - optional hook
         """The request finished; `seq.output_ids` is its answer."""

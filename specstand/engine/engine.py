@@ -234,9 +234,11 @@ class Engine:
             tokens = tokens[: stop_at + 1]
         state.stats.record_pass(drafted, verdict.accepted, len(tokens))
         state.seq.token_ids.extend(tokens)
-        if self.drafter is not None:
-            self.drafter.extend(state.seq, tokens, hidden if self.tap_layers else None)
         if stop_at is None and state.emitted < request.max_tokens:
+            # only a request that goes on tells its drafter: a stop token or max_tokens may cut the pass's
+            # tokens short of the hidden rows it computed
+            if self.drafter is not None:
+                self.drafter.extend(state.seq, tokens, hidden if self.tap_layers else None)
             return StepEvent(request_id, tokens)
         del self._running[request_id]
         self._release(state)

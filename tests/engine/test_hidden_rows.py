@@ -48,7 +48,33 @@ def test_decode_rows_cover_the_pending_token_and_the_accepted_drafts():
     for request_id in (0, 1):
         calls = [(length, h) for rid, length, h in recorder.seen if rid == request_id]
         cached = calls[0][1].rows  # the prompt
-        for length, hidden in calls[1:-1]:  # the last pass may be cut at a stop token
+        for length, hidden in calls[1:]:
             assert hidden.start == cached  # the first row is the token that was pending
             cached += hidden.rows
             assert cached == length - 1  # every emitted token but the new pending one is now covered
+
+
+class Oracle(Recorder):
+    """Drafts the known answer, so whole drafts are accepted, a stop token inside them included."""
+
+    def __init__(self, answer: list[int]) -> None:
+        super().__init__()
+        self.answer = answer
+
+    def propose(self, seq: SequenceView, max_tokens: int) -> Draft:
+        done = len(seq.output_ids)
+        return Draft(self.answer[done : done + max_tokens])
+
+
+def test_a_stop_token_inside_an_accepted_draft_ends_the_request_without_a_short_extend():
+    decoder = tiny_decoder("llama", torch.float32)
+    prompt = random_prompts(1, 20, seed=5)[0]
+    answer = Engine(decoder, None, EngineConfig(3, 512, 1)).generate([Request(prompt, 12)])[0].output_ids
+    cut = next(i for i in range(3, len(answer)) if answer[i] not in answer[:i])  # a token first seen there
+    oracle = Oracle(answer)
+    result = Engine(decoder, oracle, EngineConfig(5, 512, 1)).generate(
+        [Request(prompt, 12, stop_token_ids=frozenset({answer[cut]}))])[0]
+    assert result.output_ids == answer[: cut + 1] and result.finish_reason == "stop"
+    assert result.stats.accepted_tokens > 0
+    lengths = [length for _, length, _ in oracle.seen]
+    assert lengths[-1] < len(prompt) + cut + 1  # the finishing pass did not reach the drafter

@@ -41,10 +41,11 @@ demo: install
 # Qwen (896 wide): a narrower MLP and a 6144-token draft vocabulary keep each drafter under 30 MB; the
 # target's pass runs in fp32 (bf16 batches are slow on such CPUs).
 DRAFTERS := out/drafters
+TRAIN_STEPS := 300
 ifeq ($(MODEL),qwen2.5-coder-0.5b)
 DRAFTER_CALLS ?= 160
 TRAIN_FLAGS ?= --dtype fp32 --intermediate-size 1024 --draft-vocab 6144
-DFLASH_STEPS ?= 300
+DFLASH_STEPS ?= $(TRAIN_STEPS)
 EVAL_CALLS ?= 6
 else
 DRAFTER_CALLS ?= 300
@@ -62,8 +63,8 @@ drafters: install
 		--max-batch 8 --workload $(DRAFTERS)/complexfuncbench.jsonl --workload $(DRAFTERS)/nestful.jsonl \
 		--out $(DRAFTERS)/data-$(MODEL) --limit-calls $(DRAFTER_CALLS)
 	$(VENV)/bin/specstand train --method dflash,eagle3,mtp --model $(MODEL) --data $(DRAFTERS)/data-$(MODEL) \
-		--out $(DRAFTERS)/$(MODEL) --steps 300 $(TRAIN_FLAGS)
-	test $(DFLASH_STEPS) -le 300 || $(VENV)/bin/specstand train --method dflash --model $(MODEL) \
+		--out $(DRAFTERS)/$(MODEL) --steps $(TRAIN_STEPS) $(TRAIN_FLAGS)
+	test $(DFLASH_STEPS) -le $(TRAIN_STEPS) || $(VENV)/bin/specstand train --method dflash --model $(MODEL) \
 		--data $(DRAFTERS)/data-$(MODEL) --out $(DRAFTERS)/$(MODEL)/dflash --steps $(DFLASH_STEPS) --save-every 100 \
 		$(TRAIN_FLAGS)
 	$(VENV)/bin/specstand eval-drafter --model $(MODEL) --drafter $(DRAFTERS)/$(MODEL)/dflash \

@@ -17,7 +17,9 @@ from transformers import (
     Qwen3ForCausalLM,
 )
 
+from specstand import kernels
 from specstand.models import load_model
+from specstand.runner.compiled import attach_compiled
 from specstand.runner.transformer import DecoderModel
 from specstand.training.data import generate_rows, save_rows
 from specstand.verification import SamplingParams
@@ -36,6 +38,18 @@ FAMILIES = {
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
+def _kernel_paths() -> list[str]:
+    try:
+        return kernels.available_paths()
+    except kernels.KernelsUnavailable:
+        return []
+
+
+# The kernel paths this CPU runs (avx2 runs on AVX-512 CPUs too); "python" is the reference forward.
+KERNEL_PATHS = _kernel_paths()
+FORWARDS = ["python", *KERNEL_PATHS]
+
+
 def tiny_hf_model(family: str, dtype: torch.dtype = torch.float32, seed: int = 0) -> torch.nn.Module:
     cls, make_config = FAMILIES[family]
     torch.manual_seed(seed)
@@ -47,8 +61,14 @@ def tiny_hf_model(family: str, dtype: torch.dtype = torch.float32, seed: int = 0
     return model.to(dtype)
 
 
-def tiny_decoder(family: str, dtype: torch.dtype = torch.float32, max_positions: int = 512) -> DecoderModel:
-    return DecoderModel(tiny_hf_model(family, dtype), max_positions)
+def tiny_decoder(
+    family: str, dtype: torch.dtype = torch.float32, max_positions: int = 512, forward: str = "python"
+) -> DecoderModel:
+    """A tiny target whose decode/verify passes run `forward`: "python" or a kernel path (bf16 only)."""
+    model = DecoderModel(tiny_hf_model(family, dtype), max_positions)
+    if forward != "python":
+        assert attach_compiled(model, forward) is not None
+    return model
 
 
 def random_prompts(count: int, length: int, seed: int, alphabet: int = 12) -> list[list[int]]:

@@ -8,6 +8,7 @@ from pathlib import Path
 import torch
 
 from specstand.models.presets import PRESETS, fetch
+from specstand.runner.compiled import attach_compiled
 from specstand.runner.transformer import DecoderModel
 
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
@@ -66,6 +67,7 @@ def load_model(model: str, dtype: str = "bf16", max_seq_len: int = 2048, log=pri
         raise ModelError(f"cannot load model {model!r}: {str(error).splitlines()[0]}") from None
     max_positions = min(max_seq_len, getattr(hf_model.config, "max_position_embeddings", max_seq_len))
     decoder = DecoderModel(hf_model, max_positions)
+    attach_compiled(decoder, log=log)
     stop_ids = {tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set()
     try:
         eos = GenerationConfig.from_pretrained(path).eos_token_id

@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from specstand.runner.compiled import CompiledDecoder
 from specstand.runner.kv_cache import KVCache
 from specstand.runner.transformer import ATTENTION_BUCKET, DecoderModel
 
@@ -33,6 +34,8 @@ class TargetRunner:
             raise ValueError(f"cache capacity {capacity} exceeds the model's {model.max_positions} positions")
         s = model.shape
         self.model = model
+        # decode/verify passes run the model's compiled forward where it has one; prompts the Python one
+        self.compiled: CompiledDecoder | None = model.compiled
         self.capacity = capacity
         # attention reads whole buckets, so the buffers end on a bucket boundary
         buffer_len = -(-capacity // ATTENTION_BUCKET) * ATTENTION_BUCKET
@@ -44,13 +47,16 @@ class TargetRunner:
     ) -> list[PassOutput]:
         """One target pass. Every request gets exactly `width` rows (padding repeats its last token), so
         the pass shape does not depend on draft lengths. Cache lengths advance by the real rows. A
-        `prefill` pass returns the logits of each request's last real row only."""
+        `prefill` pass returns the logits of each request's last real row only. With the compiled forward a
+        decode/verify pass computes the real rows only: its rows do not depend on each other's count."""
         starts = [self.cache.lengths[item.slot] for item in inputs]
         for item, start in zip(inputs, starts, strict=True):
             if not 0 < len(item.tokens) <= width:
                 raise ValueError(f"a pass needs 1..{width} tokens per request, got {len(item.tokens)}")
             if start + width > self.cache.capacity:  # padding rows may use the bucket's tail
                 raise ValueError(f"slot {item.slot} would exceed the cache capacity {self.capacity}")
+        if self.compiled is not None and not prefill:
+            return self._run_compiled(inputs, starts, tap_layers)
         rows = [item.tokens + [item.tokens[-1]] * (width - len(item.tokens)) for item in inputs]
         logits, taps = self.model.forward(
             torch.tensor(rows), starts, [item.slot for item in inputs],
@@ -63,6 +69,21 @@ class TargetRunner:
             self.cache.lengths[item.slot] = starts[b] + n
             rows = logits[b] if prefill else logits[b, :n]
             outputs.append(PassOutput(rows, {layer: t[b, :n] for layer, t in taps.items()}))
+        return outputs
+
+    def _run_compiled(
+        self, inputs: list[PassInput], starts: list[int], tap_layers: tuple[int, ...]
+    ) -> list[PassOutput]:
+        tokens = [t for item in inputs for t in item.tokens]
+        slots = [item.slot for item in inputs for _ in item.tokens]
+        positions = [start + i for item, start in zip(inputs, starts, strict=True) for i in range(len(item.tokens))]
+        logits, taps = self.compiled.forward(tokens, slots, positions, self.cache.keys, self.cache.values, tap_layers)
+        outputs, row = [], 0
+        for item, start in zip(inputs, starts, strict=True):
+            n = len(item.tokens)
+            self.cache.lengths[item.slot] = start + n
+            outputs.append(PassOutput(logits[row : row + n], {layer: t[row : row + n] for layer, t in taps.items()}))
+            row += n
         return outputs
 
     def prefill(self, slot: int, tokens: list[int], tap_layers: tuple[int, ...] = ()) -> PassOutput:

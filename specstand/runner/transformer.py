@@ -115,6 +115,7 @@ class DecoderModel:
             rms_eps=cfg.rms_norm_eps,
         )
         self.max_positions = max_positions
+        self.compiled = None  # the compiled decode/verify forward, once runner/compiled.py attaches one
         self.weights = Weights(
             embed_tokens=inner.embed_tokens.weight.detach(),
             layers=[self._layer_weights(layer) for layer in inner.layers],

@@ -8,9 +8,11 @@ import torch
 from specstand.drafters import DRAFTERS, Draft, Drafter, SequenceView, make_drafter
 from specstand.engine import Engine, EngineConfig, Request
 from specstand.runner.transformer import DecoderModel
-from tests.conftest import DTYPES, FAMILIES, random_prompts, tiny_hf_model
+from tests.conftest import DTYPES, FAMILIES, FORWARDS, random_prompts, tiny_decoder, tiny_hf_model
 
 K = 5
+# (dtype, forward): fp32 runs the Python forward; bf16 runs it and every kernel path this CPU has
+NUMERICS = [("fp32", "python")] + [("bf16", forward) for forward in FORWARDS]
 
 
 def _engine(model: DecoderModel, drafter: Drafter | None, max_batch: int = 1) -> Engine:
@@ -43,23 +45,23 @@ class ScriptedDrafter(Drafter):
         return Draft(guess)
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(("dtype", "forward"), NUMERICS)
 @pytest.mark.parametrize("family", FAMILIES)
-def test_every_drafter_is_token_identical_to_plain_greedy(family, dtype):
-    model = DecoderModel(tiny_hf_model(family, DTYPES[dtype]), 512)
+def test_every_drafter_is_token_identical_to_plain_greedy(family, dtype, forward):
+    model = tiny_decoder(family, DTYPES[dtype], forward=forward)
     prompts = random_prompts(8, 40, seed=3)
     baseline = _outputs(_engine(model, None), prompts)
     for method in DRAFTERS:
-        engine = _engine(model, make_drafter(method))
+        engine = _engine(model, make_drafter(method), max_batch=3)
         results = engine.generate([Request(p, 48) for p in prompts])
         assert [r.output_ids for r in results] == baseline, method
         accepted = sum(r.stats.accepted_tokens for r in results)
         assert accepted > 0, f"{method} never had a draft accepted: the test would not exercise verification"
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
-def test_alternating_drafted_and_undrafted_steps(dtype):
-    model = DecoderModel(tiny_hf_model("qwen3", DTYPES[dtype]), 512)
+@pytest.mark.parametrize(("dtype", "forward"), NUMERICS)
+def test_alternating_drafted_and_undrafted_steps(dtype, forward):
+    model = tiny_decoder("qwen3", DTYPES[dtype], forward=forward)
     prompts = random_prompts(4, 30, seed=5)
     baseline = _outputs(_engine(model, None), prompts)
     drafter = ScriptedDrafter(dict(enumerate(baseline)))
@@ -71,8 +73,9 @@ def test_alternating_drafted_and_undrafted_steps(dtype):
     assert stats.accepted_tokens < stats.drafted_tokens  # some drafts were rejected and rolled back
 
 
-def test_batched_decoding_matches_one_request_at_a_time():
-    model = DecoderModel(tiny_hf_model("llama", torch.bfloat16), 512)
+@pytest.mark.parametrize("forward", FORWARDS)
+def test_batched_decoding_matches_one_request_at_a_time(forward):
+    model = tiny_decoder("llama", torch.bfloat16, forward=forward)
     prompts = random_prompts(5, 25, seed=7) + random_prompts(2, 60, seed=8)
     baseline = _outputs(_engine(model, None), prompts)
     assert _outputs(_engine(model, make_drafter("ngram"), max_batch=4), prompts) == baseline
@@ -132,9 +135,9 @@ def test_lossless_whichever_way_prompts_are_computed(fp32_prefill):
     assert _outputs(_engine(model, make_drafter("ngram")), prompts) == _outputs(_engine(model, None), prompts)
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
-def test_prefix_reuse_is_exact(dtype):
-    model = DecoderModel(tiny_hf_model("qwen2", DTYPES[dtype]), 512)
+@pytest.mark.parametrize(("dtype", "forward"), NUMERICS)
+def test_prefix_reuse_is_exact(dtype, forward):
+    model = tiny_decoder("qwen2", DTYPES[dtype], forward=forward)
     head = random_prompts(1, 140, seed=21)[0]
     first, second = head + [3, 4, 5], head + [6, 7]
     warm = _engine(model, make_drafter("ngram"))

@@ -17,7 +17,7 @@ from specstand.training.features import TargetFeatures, pack_rows
 from specstand.training.losses import dpace_weights, target_to_draft
 from specstand.training.trainer import TRAINER_STATE, TrainConfig, chain_objective, dflash_objective, train
 from specstand.verification import SamplingParams
-from tests.conftest import tiny_decoder
+from tests.conftest import FORWARDS, tiny_decoder
 
 STEPS = {"dflash": 300, "eagle3": 300, "mtp": 300}
 
@@ -74,10 +74,10 @@ def test_copying_a_deterministic_target_reaches_high_acceptance(method, trained,
     assert stats.acceptance_per_position[0] > 0.6 and stats.tau > 2.0, (stats.acceptance_per_position, stats.tau)
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize(("dtype", "forward"), [(torch.float32, "python")] + [(torch.bfloat16, f) for f in FORWARDS])
 @pytest.mark.parametrize("method", list(TRAINED))
-def test_engine_is_token_identical_with_trained_drafters(method, dtype, trained, tiny_target, tiny_data):
-    decoder = tiny_decoder("llama", dtype, 512)  # the same weights as the saved tiny model
+def test_engine_is_token_identical_with_trained_drafters(method, dtype, forward, trained, tiny_target, tiny_data):
+    decoder = tiny_decoder("llama", dtype, 512, forward)  # the same weights as the saved tiny model
     requests = _requests(tiny_data, tiny_target)
     plain = Engine(decoder, None, EngineConfig(5, 512, 3)).generate(requests)
     for steps in (1, STEPS[method]):  # a poor and a good drafter

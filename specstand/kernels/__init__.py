@@ -1,0 +1,113 @@
+"""Compiled CPU kernels: a batch-invariant bf16 linear and the decode/verify forward built on it.
+
+Built on first use with torch.utils.cpp_extension (gcc + ninja) into a cache folder keyed by the sources,
+the torch version and the compiler, then loaded from there. The instruction path is chosen from what this
+CPU has (`best_path`), or forced with SPECSTAND_KERNEL_PATH=avx512bf16|avx2|scalar|python; `python` (or a
+machine without a compiler) keeps the readable Python forward.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+import sys
+from functools import cache
+from pathlib import Path
+from types import ModuleType
+
+import torch
+
+SOURCES = ("linear.cpp", "attention.cpp", "decoder.cpp")
+HEADERS = ("common.h", "linear.h", "attention.h")
+PATHS = {"scalar": 0, "avx2": 1, "avx512bf16": 2}  # the C++ Isa values, worst first
+PATH_ENV = "SPECSTAND_KERNEL_PATH"
+
+
+class KernelsUnavailable(RuntimeError):
+    """The compiled kernels cannot run here; the message says why."""
+
+
+def _cache_dir(digest: str) -> Path:
+    root = Path(os.environ.get("SPECSTAND_CACHE", Path.home() / ".cache" / "specstand"))
+    return root / "kernels" / digest
+
+
+@cache
+def load() -> ModuleType:
+    """The compiled extension (built once per source version, then loaded from the cache)."""
+    if shutil.which(os.environ.get("CXX", "c++")) is None:
+        raise KernelsUnavailable("no C++ compiler on PATH (install gcc/g++); using the Python forward")
+    from torch.utils import cpp_extension
+
+    folder = Path(__file__).parent / "csrc"
+    digest = hashlib.sha256()
+    for name in (*SOURCES, *HEADERS):
+        digest.update((folder / name).read_bytes())
+    digest.update(f"{torch.__version__} {sys.version_info[:2]}".encode())
+    key = digest.hexdigest()[:16]
+    build = _cache_dir(key)
+    build.mkdir(parents=True, exist_ok=True)
+    try:
+        return cpp_extension.load(
+            name=f"specstand_kernels_{key}",
+            sources=[str(folder / name) for name in SOURCES],
+            # -ffp-contract=off: no FMA the source did not ask for, so lane ops round the same everywhere
+            extra_cflags=["-O3", "-ffp-contract=off", "-fopenmp", "-std=c++17"],
+            extra_ldflags=["-fopenmp"],
+            build_directory=str(build),
+            verbose=False,
+        )
+    except (RuntimeError, OSError, ImportError) as error:
+        last = str(error).strip().splitlines()[-1] if str(error).strip() else type(error).__name__
+        raise KernelsUnavailable(f"the kernels did not build ({last}); using the Python forward") from None
+
+
+def available_paths() -> list[str]:
+    """The instruction paths this CPU can run, worst first."""
+    module = load()
+    return [name for name, value in PATHS.items() if module.cpu_has(value)]
+
+
+def best_path() -> str:
+    """The path to use: SPECSTAND_KERNEL_PATH if set (and runnable), else the best this CPU has."""
+    forced = os.environ.get(PATH_ENV)
+    if forced:
+        if forced == "python":
+            raise KernelsUnavailable(f"{PATH_ENV}=python: using the Python forward")
+        if forced not in PATHS:
+            raise KernelsUnavailable(f"{PATH_ENV}={forced} is not one of python, {', '.join(PATHS)}")
+        if forced not in available_paths():
+            raise KernelsUnavailable(f"{PATH_ENV}={forced}: this CPU cannot run that path")
+        return forced
+    return available_paths()[-1]
+
+
+def cpu_flags() -> list[str]:
+    """The CPU features that choose a kernel path (from /proc/cpuinfo)."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return []
+    flags = next((line.split(":", 1)[1].split() for line in text.splitlines() if line.startswith("flags")), [])
+    wanted = ("avx2", "fma", "avx512f", "avx512bw", "avx512_bf16", "amx_bf16", "amx_tile", "avx512_vnni")
+    return [flag for flag in wanted if flag in flags]
+
+
+def cpu_model() -> str:
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return "unknown CPU"
+    return next((line.split(":", 1)[1].strip() for line in text.splitlines() if line.startswith("model name")),
+                "unknown CPU")
+
+
+def linear(weight: torch.Tensor, x: torch.Tensor, path: str) -> torch.Tensor:
+    """x [m, k] @ weight[n, k].T through the kernel `path` (packs the weight on every call: for tests)."""
+    return load().linear_once(weight, x, PATHS[path])
+
+
+def peak_macs_per_second(path: str, iterations: int = 20_000_000) -> float:
+    """Multiply-accumulates per second of one core running the path's instruction from registers."""
+    return load().peak_macs_per_second(PATHS[path], iterations)

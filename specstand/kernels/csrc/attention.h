@@ -1,0 +1,26 @@
+// Attention of a few query rows per request over that request's own cache length.
+#pragma once
+
+#include <cstdint>
+
+namespace specstand {
+
+struct CacheView {
+  const float* keys;  // one layer: [slots][kv_heads][capacity][head_dim]
+  const float* values;
+  int64_t slots, kv_heads, capacity, head_dim;
+
+  const float* key(int64_t slot, int64_t head, int64_t pos) const {
+    return keys + ((slot * kv_heads + head) * capacity + pos) * head_dim;
+  }
+  const float* value(int64_t slot, int64_t head, int64_t pos) const {
+    return values + ((slot * kv_heads + head) * capacity + pos) * head_dim;
+  }
+};
+
+// q, out: [rows][heads * head_dim]. Row r attends over positions 0..positions[r] of cache slot slots[r].
+// A row's result depends on its own query and cache entries alone: no padding, no shared reduction.
+void decode_attention(const float* q, float* out, int64_t rows, int64_t heads, const int64_t* slots,
+                      const int64_t* positions, const CacheView& cache, float scale);
+
+}  // namespace specstand

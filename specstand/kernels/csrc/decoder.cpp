@@ -1,0 +1,239 @@
+// The decode/verify forward of a Llama/Qwen-family decoder in one call: embedding, every layer (RMSNorm,
+// QKV, q/k norms, RoPE, cache write, attention, O-proj, residual, MLP) and the head, for rows of several
+// requests at once. The hidden state stays fp32 between ops; only the linear kernel's path decides where
+// activations are rounded (to bf16 on avx512bf16). Every op is row-local or per (row, head) with a fixed
+// order, so a row's logits do not depend on the other rows of the pass.
+#include <torch/extension.h>
+
+#include <vector>
+
+#include "attention.h"
+#include "common.h"
+#include "linear.h"
+
+namespace specstand {
+
+static std::vector<float> to_floats(const at::Tensor& t) {
+  if (!t.defined() || t.numel() == 0) return {};
+  at::Tensor f = t.to(at::kFloat).contiguous();
+  return std::vector<float>(f.data_ptr<float>(), f.data_ptr<float>() + f.numel());
+}
+
+// RMSNorm of `rows` rows of width `dim` (a multiple of 8): x * (1 / sqrt(mean(x^2) + eps)) * weight
+static void rms_norm(const float* x, float* y, int64_t rows, int64_t dim, const float* weight, float eps) {
+  for (int64_t r = 0; r < rows; ++r) {
+    const float* xr = x + r * dim;
+    v8f squares = v8_splat(0.0f);
+    for (int64_t i = 0; i < dim; i += 8) squares = squares + v8_load(xr + i) * v8_load(xr + i);
+    const v8f inv = v8_splat(1.0f / std::sqrt(v8_sum(squares) / float(dim) + eps));
+    for (int64_t i = 0; i < dim; i += 8) v8_store(y + r * dim + i, (v8_load(xr + i) * inv) * v8_load(weight + i));
+  }
+}
+
+struct DecoderLayer {
+  PackedLinear qkv, o_proj, gate_up, down;
+  std::vector<float> input_norm, post_attention_norm, qkv_bias, q_norm, k_norm;
+};
+
+class Decoder {
+ public:
+  Decoder(int64_t hidden, int64_t heads, int64_t kv_heads, int64_t head_dim, int64_t intermediate, double eps,
+          int64_t isa)
+      : hidden_(hidden), heads_(heads), kv_heads_(kv_heads), head_dim_(head_dim), intermediate_(intermediate),
+        eps_(float(eps)), isa_(static_cast<Isa>(isa)) {
+    TORCH_CHECK(hidden % 8 == 0 && head_dim % 8 == 0 && intermediate % 8 == 0 && heads % kv_heads == 0,
+                "the compiled forward needs hidden, head and MLP widths in multiples of 8");
+    TORCH_CHECK(cpu_has(isa_), "this CPU cannot run the ", isa_name(isa_), " kernels");
+  }
+
+  void add_layer(const at::Tensor& qkv, const at::Tensor& qkv_bias, const at::Tensor& o_proj,
+                 const at::Tensor& q_norm, const at::Tensor& k_norm, const at::Tensor& input_norm,
+                 const at::Tensor& post_attention_norm, const at::Tensor& gate_up, const at::Tensor& down) {
+    DecoderLayer layer;
+    layer.qkv = pack_linear(qkv, isa_);
+    layer.o_proj = pack_linear(o_proj, isa_);
+    layer.gate_up = pack_linear(gate_up, isa_);
+    layer.down = pack_linear(down, isa_);
+    layer.qkv_bias = to_floats(qkv_bias);
+    layer.q_norm = to_floats(q_norm);
+    layer.k_norm = to_floats(k_norm);
+    layer.input_norm = to_floats(input_norm);
+    layer.post_attention_norm = to_floats(post_attention_norm);
+    TORCH_CHECK(layer.qkv.n == (heads_ + 2 * kv_heads_) * head_dim_ && layer.qkv.k == hidden_, "qkv shape");
+    TORCH_CHECK(layer.gate_up.n == 2 * intermediate_ && layer.down.k == intermediate_, "mlp shape");
+    layers_.push_back(std::move(layer));
+  }
+
+  void set_head(const at::Tensor& embed_tokens, const at::Tensor& final_norm, const at::Tensor& lm_head,
+                const at::Tensor& rope) {
+    TORCH_CHECK(embed_tokens.scalar_type() == at::kBFloat16 && embed_tokens.is_contiguous(), "embedding: bf16");
+    embed_ = embed_tokens;  // shared with the Python model, not copied
+    final_norm_ = to_floats(final_norm);
+    lm_head_ = pack_linear(lm_head, isa_);
+    rope_ = rope.to(at::kFloat).contiguous();  // [positions, head_dim / 2, (cos, sin)]
+    TORCH_CHECK(rope_.dim() == 3 && rope_.size(1) * 2 == head_dim_, "rope table shape");
+  }
+
+  // tokens, slots, positions: [rows] int64. keys/values: [layers, slots, kv heads, capacity, head_dim] fp32,
+  // written at (slot, position) of every row. Returns fp32 logits [rows, vocab] (empty if !logits) and the
+  // hidden states of tap_layers (0: embedding, i: output of layer i, num_layers: final normed state).
+  std::tuple<at::Tensor, std::vector<at::Tensor>> forward(const at::Tensor& tokens, const at::Tensor& slots,
+                                                           const at::Tensor& positions, at::Tensor& keys,
+                                                           at::Tensor& values, const std::vector<int64_t>& tap_layers,
+                                                           bool logits) {
+    const int64_t rows = tokens.size(0), layers = int64_t(layers_.size());
+    TORCH_CHECK(lm_head_.n > 0, "set_head was not called");
+    TORCH_CHECK(slots.size(0) == rows && positions.size(0) == rows, "tokens, slots and positions differ in length");
+    TORCH_CHECK(keys.scalar_type() == at::kFloat && keys.is_contiguous() && values.is_contiguous() &&
+                    keys.sizes() == values.sizes() && keys.dim() == 5 && keys.size(0) == layers &&
+                    keys.size(2) == kv_heads_ && keys.size(4) == head_dim_,
+                "the KV cache must be fp32 [layers, slots, kv heads, capacity, head_dim]");
+    const at::Tensor tok = tokens.to(at::kLong).contiguous(), slot = slots.to(at::kLong).contiguous(),
+                     pos = positions.to(at::kLong).contiguous();
+    const int64_t* tok_p = tok.data_ptr<int64_t>();
+    const int64_t* slot_p = slot.data_ptr<int64_t>();
+    const int64_t* pos_p = pos.data_ptr<int64_t>();
+    const int64_t num_slots = keys.size(1), capacity = keys.size(3);
+    for (int64_t r = 0; r < rows; ++r) {
+      TORCH_CHECK(0 <= tok_p[r] && tok_p[r] < embed_.size(0), "token id ", tok_p[r], " is out of the vocabulary");
+      TORCH_CHECK(0 <= slot_p[r] && slot_p[r] < num_slots, "slot ", slot_p[r], " does not exist");
+      TORCH_CHECK(0 <= pos_p[r] && pos_p[r] < capacity && pos_p[r] < rope_.size(0), "position ", pos_p[r],
+                  " is past the cache");
+    }
+    const int64_t H = hidden_, D = head_dim_, q_size = heads_ * D, kv_size = kv_heads_ * D;
+    const int64_t qkv_width = q_size + 2 * kv_size, I = intermediate_;
+    std::vector<float> h(rows * H), xn(rows * H), qkv(rows * qkv_width), attn(rows * q_size), tmp(rows * H),
+        gu(rows * 2 * I), act(rows * I), q(rows * q_size);
+    const auto* embed = reinterpret_cast<const uint16_t*>(embed_.data_ptr());
+    for (int64_t r = 0; r < rows; ++r)
+      for (int64_t i = 0; i < H; ++i) h[r * H + i] = bf16_to_float(embed[tok_p[r] * H + i]);
+
+    std::vector<at::Tensor> taps;
+    auto tap = [&](int64_t index, const std::vector<float>& state) {
+      for (int64_t wanted : tap_layers)
+        if (wanted == index) taps.push_back(at::from_blob(const_cast<float*>(state.data()), {rows, H}).clone());
+    };
+    tap(0, h);
+    const float scale = 1.0f / std::sqrt(float(D));
+    const float* rope = rope_.data_ptr<float>();
+    for (int64_t l = 0; l < layers; ++l) {
+      const DecoderLayer& layer = layers_[l];
+      rms_norm(h.data(), xn.data(), rows, H, layer.input_norm.data(), eps_);
+      linear(layer.qkv, xn.data(), rows, H, qkv.data(), qkv_width);
+      float* layer_keys = keys.data_ptr<float>() + l * num_slots * kv_heads_ * capacity * D;
+      float* layer_values = values.data_ptr<float>() + l * num_slots * kv_heads_ * capacity * D;
+      for (int64_t r = 0; r < rows; ++r) {
+        float* row = qkv.data() + r * qkv_width;
+        if (!layer.qkv_bias.empty())
+          for (int64_t i = 0; i < qkv_width; ++i) row[i] += layer.qkv_bias[i];
+        if (!layer.q_norm.empty()) {
+          rms_norm(row, row, heads_, D, layer.q_norm.data(), eps_);
+          rms_norm(row + q_size, row + q_size, kv_heads_, D, layer.k_norm.data(), eps_);
+        }
+        const float* angle = rope + pos_p[r] * D;  // D / 2 (cos, sin) pairs
+        for (int64_t head = 0; head < heads_ + kv_heads_; ++head)
+          for (int64_t i = 0; i < D / 2; ++i) {
+            float* x = row + head * D + 2 * i;
+            const float c = angle[2 * i], s = angle[2 * i + 1], x0 = x[0], x1 = x[1];
+            x[0] = x0 * c - x1 * s;
+            x[1] = x0 * s + x1 * c;
+          }
+        for (int64_t kv = 0; kv < kv_heads_; ++kv) {
+          const int64_t at = ((slot_p[r] * kv_heads_ + kv) * capacity + pos_p[r]) * D;
+          std::memcpy(layer_keys + at, row + q_size + kv * D, D * sizeof(float));
+          std::memcpy(layer_values + at, row + q_size + kv_size + kv * D, D * sizeof(float));
+        }
+      }
+      // every row's K/V is in the cache before any row attends: a verify row sees the draft rows before it
+      for (int64_t r = 0; r < rows; ++r)
+        std::memcpy(q.data() + r * q_size, qkv.data() + r * qkv_width, q_size * sizeof(float));
+      const CacheView cache{layer_keys, layer_values, num_slots, kv_heads_, capacity, D};
+      decode_attention(q.data(), attn.data(), rows, heads_, slot_p, pos_p, cache, scale);
+      linear(layer.o_proj, attn.data(), rows, q_size, tmp.data(), H);
+      for (int64_t i = 0; i < rows * H; ++i) h[i] += tmp[i];
+
+      rms_norm(h.data(), xn.data(), rows, H, layer.post_attention_norm.data(), eps_);
+      linear(layer.gate_up, xn.data(), rows, H, gu.data(), 2 * I);
+      for (int64_t r = 0; r < rows; ++r)
+        for (int64_t i = 0; i < I; i += 8) {
+          const v8f g = v8_load(&gu[r * 2 * I + i]), u = v8_load(&gu[r * 2 * I + I + i]);
+          v8_store(&act[r * I + i], (g / (v8_splat(1.0f) + v8_exp(-g))) * u);  // silu(gate) * up
+        }
+      linear(layer.down, act.data(), rows, I, tmp.data(), H);
+      for (int64_t i = 0; i < rows * H; ++i) h[i] += tmp[i];
+      if (l + 1 != layers) tap(l + 1, h);
+    }
+    rms_norm(h.data(), xn.data(), rows, H, final_norm_.data(), eps_);
+    tap(layers, xn);
+    at::Tensor out;
+    if (logits) {
+      out = at::empty({rows, lm_head_.n}, at::kFloat);
+      linear(lm_head_, xn.data(), rows, H, out.data_ptr<float>(), lm_head_.n);
+    }
+    return {out, taps};
+  }
+
+  std::string isa() const { return isa_name(isa_); }
+
+ private:
+  int64_t hidden_, heads_, kv_heads_, head_dim_, intermediate_;
+  float eps_;
+  Isa isa_;
+  std::vector<DecoderLayer> layers_;
+  at::Tensor embed_, rope_;
+  std::vector<float> final_norm_;
+  PackedLinear lm_head_;
+};
+
+}  // namespace specstand
+
+namespace {
+
+using specstand::Isa;
+
+// Test and benchmark entry: pack `weight` for `isa` and run x [m, k] fp32 through it.
+at::Tensor linear_once(const at::Tensor& weight, const at::Tensor& x, int64_t isa) {
+  TORCH_CHECK(specstand::cpu_has(static_cast<Isa>(isa)), "this CPU cannot run that path");
+  const specstand::PackedLinear packed = specstand::pack_linear(weight, static_cast<Isa>(isa));
+  at::Tensor input = x.to(at::kFloat).contiguous();
+  TORCH_CHECK(input.dim() == 2 && input.size(1) == packed.k, "x must be [m, ", packed.k, "]");
+  at::Tensor y = at::empty({input.size(0), packed.n}, at::kFloat);
+  specstand::linear(packed, input.data_ptr<float>(), input.size(0), packed.k, y.data_ptr<float>(), packed.n);
+  return y;
+}
+
+// A packed weight kept on the Python side (drafter layers and benchmarks call it many times).
+struct Linear {
+  specstand::PackedLinear packed;
+  Linear(const at::Tensor& weight, int64_t isa) : packed(specstand::pack_linear(weight, static_cast<Isa>(isa))) {
+    TORCH_CHECK(specstand::cpu_has(static_cast<Isa>(isa)), "this CPU cannot run that path");
+  }
+  at::Tensor forward(const at::Tensor& x) const {
+    at::Tensor input = x.to(at::kFloat).contiguous();
+    TORCH_CHECK(input.size(-1) == packed.k, "x must end in ", packed.k);
+    const int64_t m = input.numel() / packed.k;
+    std::vector<int64_t> shape(input.sizes().begin(), input.sizes().end());
+    shape.back() = packed.n;
+    at::Tensor y = at::empty(shape, at::kFloat);
+    specstand::linear(packed, input.data_ptr<float>(), m, packed.k, y.data_ptr<float>(), packed.n);
+    return y;
+  }
+};
+
+}  // namespace
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("cpu_has", [](int64_t isa) { return specstand::cpu_has(static_cast<Isa>(isa)); });
+  m.def("isa_name", [](int64_t isa) { return std::string(specstand::isa_name(static_cast<Isa>(isa))); });
+  m.def("linear_once", &linear_once);
+  m.def("peak_macs_per_second", [](int64_t isa, int64_t iterations) {
+    return specstand::peak_macs_per_second(static_cast<Isa>(isa), iterations);
+  });
+  py::class_<Linear>(m, "Linear").def(py::init<const at::Tensor&, int64_t>()).def("forward", &Linear::forward);
+  py::class_<specstand::Decoder>(m, "Decoder")
+      .def(py::init<int64_t, int64_t, int64_t, int64_t, int64_t, double, int64_t>())
+      .def("add_layer", &specstand::Decoder::add_layer)
+      .def("set_head", &specstand::Decoder::set_head)
+      .def("forward", &specstand::Decoder::forward)
+      .def_property_readonly("isa", &specstand::Decoder::isa);
+}

@@ -1,0 +1,264 @@
+// The linear kernel family: one packed layout, three instruction paths side by side.
+//
+// Batch invariance by construction: an output element owns one accumulator, which is updated once per
+// k pair, in k order, by the same instruction, whatever tile of rows and columns it shares; there is no
+// split over k, and threads split the output columns only. So row i of an m-row call is bit-identical to
+// a 1-row call for every m. The tiles change how often a weight is reused, never the arithmetic.
+//   avx512bf16: vdpbf16ps, activations rounded to bf16 (RNE), fp32 accumulation (DAZ/FTZ in hardware).
+//   avx2:       bf16 weights widened to fp32 in registers, fp32 activations, one FMA per k.
+//   scalar:     the same sums in plain C++ (one fmaf per k), for CPUs with neither.
+#include "linear.h"
+
+#include <ATen/Parallel.h>
+#include <immintrin.h>
+
+#include <chrono>
+#include <vector>
+
+namespace specstand {
+
+PackedLinear pack_linear(const at::Tensor& weight, Isa isa) {
+  TORCH_CHECK(weight.dim() == 2 && weight.scalar_type() == at::kBFloat16, "pack_linear takes a 2-D bf16 weight");
+  at::Tensor w = weight.contiguous();
+  PackedLinear p;
+  p.n = w.size(0);
+  p.k = w.size(1);
+  p.n_pad = (p.n + 15) / 16 * 16;
+  p.k_pad = (p.k + 1) / 2 * 2;
+  p.isa = isa;
+  p.data = at::zeros({p.n_pad * p.k_pad}, at::kBFloat16);
+  auto* dst = reinterpret_cast<uint16_t*>(p.data.data_ptr());
+  const auto* src = reinterpret_cast<const uint16_t*>(w.data_ptr());
+  at::parallel_for(0, p.n, 64, [&](int64_t begin, int64_t end) {
+    for (int64_t col = begin; col < end; ++col) {
+      uint16_t* strip = dst + (col / 16) * p.k_pad * 16;
+      for (int64_t kk = 0; kk < p.k; ++kk) strip[(kk / 2) * 32 + (col % 16) * 2 + (kk % 2)] = src[col * p.k + kk];
+    }
+  });
+  return p;
+}
+
+// ---- avx512bf16: R rows x NB strips of 16 columns, one zmm accumulator each -----------------------
+template <int R, int NB>
+__attribute__((target("avx512f,avx512bw,avx512bf16"))) static void tile_avx512bf16(
+    const PackedLinear& w, int64_t s0, const uint16_t* xb, int64_t xs, float* y, int64_t ys, int64_t col0) {
+  __m512 acc[R][NB];
+  for (int r = 0; r < R; ++r)
+    for (int b = 0; b < NB; ++b) acc[r][b] = _mm512_setzero_ps();
+  const uint16_t* strips[NB];
+  for (int b = 0; b < NB; ++b) strips[b] = w.strip(s0 + b);
+  const int64_t pairs = w.k_pad / 2;
+  for (int64_t p = 0; p < pairs; ++p) {
+    __m512i wv[NB];
+    for (int b = 0; b < NB; ++b) wv[b] = _mm512_load_si512(reinterpret_cast<const void*>(strips[b] + p * 32));
+    for (int r = 0; r < R; ++r) {
+      int32_t pair;
+      std::memcpy(&pair, xb + r * xs + 2 * p, 4);
+      const __m512i xv = _mm512_set1_epi32(pair);
+      for (int b = 0; b < NB; ++b) acc[r][b] = _mm512_dpbf16_ps(acc[r][b], (__m512bh)xv, (__m512bh)wv[b]);
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int b = 0; b < NB; ++b) {
+      const int64_t col = col0 + b * 16;
+      const int64_t valid = std::min<int64_t>(16, w.n - col);
+      if (valid == 16) {
+        _mm512_storeu_ps(y + r * ys + col, acc[r][b]);
+      } else if (valid > 0) {
+        _mm512_mask_storeu_ps(y + r * ys + col, (__mmask16)((1u << valid) - 1), acc[r][b]);
+      }
+    }
+}
+
+// ---- avx2: R rows x NB strips; a strip's 16 columns are two ymm accumulators -------------------------
+template <int R, int NB>
+__attribute__((target("avx2,fma"))) static void tile_avx2(
+    const PackedLinear& w, int64_t s0, const float* x, int64_t xs, float* y, int64_t ys, int64_t col0) {
+  __m256 acc[R][NB][2];
+  for (int r = 0; r < R; ++r)
+    for (int b = 0; b < NB; ++b) acc[r][b][0] = acc[r][b][1] = _mm256_setzero_ps();
+  const uint16_t* strips[NB];
+  for (int b = 0; b < NB; ++b) strips[b] = w.strip(s0 + b);
+  const __m256i high = _mm256_set1_epi32(int32_t(0xffff0000u));
+  const int64_t pairs = w.k_pad / 2;
+  for (int64_t p = 0; p < pairs; ++p) {
+    for (int b = 0; b < NB; ++b)
+      for (int h = 0; h < 2; ++h) {  // columns 0-7, then 8-15 of the strip
+        const __m256i v = _mm256_load_si256(reinterpret_cast<const __m256i*>(strips[b] + p * 32 + h * 16));
+        const __m256 even = _mm256_castsi256_ps(_mm256_slli_epi32(v, 16));  // W[col, 2p] as fp32
+        const __m256 odd = _mm256_castsi256_ps(_mm256_and_si256(v, high));  // W[col, 2p + 1]
+        for (int r = 0; r < R; ++r) {
+          acc[r][b][h] = _mm256_fmadd_ps(_mm256_broadcast_ss(x + r * xs + 2 * p), even, acc[r][b][h]);
+          acc[r][b][h] = _mm256_fmadd_ps(_mm256_broadcast_ss(x + r * xs + 2 * p + 1), odd, acc[r][b][h]);
+        }
+      }
+  }
+  alignas(32) float tmp[16];
+  for (int r = 0; r < R; ++r)
+    for (int b = 0; b < NB; ++b) {
+      const int64_t col = col0 + b * 16;
+      const int64_t valid = std::min<int64_t>(16, w.n - col);
+      _mm256_store_ps(tmp, acc[r][b][0]);
+      _mm256_store_ps(tmp + 8, acc[r][b][1]);
+      for (int64_t c = 0; c < valid; ++c) y[r * ys + col + c] = tmp[c];
+    }
+}
+
+// ---- scalar: the same per-element order (k even, then k odd, per pair) --------------------------------
+static void tile_scalar(const PackedLinear& w, int64_t s, const float* x, int64_t xs, int64_t rows, float* y,
+                        int64_t ys) {
+  const uint16_t* strip = w.strip(s);
+  const int64_t pairs = w.k_pad / 2;
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t c = 0; c < 16 && s * 16 + c < w.n; ++c) {
+      float acc = 0.0f;
+      for (int64_t p = 0; p < pairs; ++p) {
+        acc = std::fmaf(x[r * xs + 2 * p], bf16_to_float(strip[p * 32 + c * 2]), acc);
+        acc = std::fmaf(x[r * xs + 2 * p + 1], bf16_to_float(strip[p * 32 + c * 2 + 1]), acc);
+      }
+      y[r * ys + s * 16 + c] = acc;
+    }
+}
+
+// Tile shapes: few rows take more strips at once (more independent accumulators to hide latency);
+// many rows take tiles of 6 (avx512: 24 accumulators of 32 registers) or 4 (avx2: 16 of 16).
+template <typename Tile>
+static void run_rows(int64_t rows, Tile tile) {
+  int64_t r = 0;
+  for (; r + 6 <= rows; r += 6) tile(r, std::integral_constant<int, 6>{});
+  switch (rows - r) {
+    case 5: tile(r, std::integral_constant<int, 5>{}); break;
+    case 4: tile(r, std::integral_constant<int, 4>{}); break;
+    case 3: tile(r, std::integral_constant<int, 3>{}); break;
+    case 2: tile(r, std::integral_constant<int, 2>{}); break;
+    case 1: tile(r, std::integral_constant<int, 1>{}); break;
+    default: break;
+  }
+}
+
+static void linear_avx512bf16(const PackedLinear& w, const float* x, int64_t m, int64_t x_stride, float* y,
+                              int64_t y_stride) {
+  // activations rounded to bf16 once, zero-padded to k_pad: elementwise, so row-independent
+  std::vector<uint16_t> xb(m * w.k_pad, 0);
+  for (int64_t r = 0; r < m; ++r)
+    for (int64_t kk = 0; kk < w.k; ++kk) xb[r * w.k_pad + kk] = float_to_bf16(x[r * x_stride + kk]);
+  constexpr int NB = 4;
+  const int64_t strips = w.n_pad / 16, groups = (strips + NB - 1) / NB;
+  at::parallel_for(0, groups, 1, [&](int64_t g0, int64_t g1) {
+    for (int64_t g = g0; g < g1; ++g) {
+      const int64_t s0 = g * NB, nb = std::min<int64_t>(NB, strips - s0);
+      run_rows(m, [&](int64_t r, auto rows) {
+        constexpr int R = decltype(rows)::value;
+        const uint16_t* xr = xb.data() + r * w.k_pad;
+        float* yr = y + r * y_stride;
+        switch (nb) {
+          case 4: tile_avx512bf16<R, 4>(w, s0, xr, w.k_pad, yr, y_stride, s0 * 16); break;
+          case 3: tile_avx512bf16<R, 3>(w, s0, xr, w.k_pad, yr, y_stride, s0 * 16); break;
+          case 2: tile_avx512bf16<R, 2>(w, s0, xr, w.k_pad, yr, y_stride, s0 * 16); break;
+          default: tile_avx512bf16<R, 1>(w, s0, xr, w.k_pad, yr, y_stride, s0 * 16); break;
+        }
+      });
+    }
+  });
+}
+
+static void linear_avx2(const PackedLinear& w, const float* x, int64_t m, int64_t x_stride, float* y,
+                        int64_t y_stride) {
+  std::vector<float> xp(m * w.k_pad, 0.0f);  // zero-padded copy: the last odd k meets a zero weight
+  for (int64_t r = 0; r < m; ++r) std::memcpy(xp.data() + r * w.k_pad, x + r * x_stride, w.k * sizeof(float));
+  constexpr int NB = 2;
+  const int64_t strips = w.n_pad / 16, groups = (strips + NB - 1) / NB;
+  at::parallel_for(0, groups, 1, [&](int64_t g0, int64_t g1) {
+    for (int64_t g = g0; g < g1; ++g) {
+      const int64_t s0 = g * NB, nb = std::min<int64_t>(NB, strips - s0);
+      int64_t r = 0;
+      auto tile = [&](auto rows_c) {
+        constexpr int R = decltype(rows_c)::value;
+        if (nb == 2) {
+          tile_avx2<R, 2>(w, s0, xp.data() + r * w.k_pad, w.k_pad, y + r * y_stride, y_stride, s0 * 16);
+        } else {
+          tile_avx2<R, 1>(w, s0, xp.data() + r * w.k_pad, w.k_pad, y + r * y_stride, y_stride, s0 * 16);
+        }
+      };
+      for (; r + 3 <= m; r += 3) tile(std::integral_constant<int, 3>{});
+      for (; r < m; ++r) tile(std::integral_constant<int, 1>{});
+    }
+  });
+}
+
+static void linear_scalar(const PackedLinear& w, const float* x, int64_t m, int64_t x_stride, float* y,
+                          int64_t y_stride) {
+  std::vector<float> xp(m * w.k_pad, 0.0f);
+  for (int64_t r = 0; r < m; ++r) std::memcpy(xp.data() + r * w.k_pad, x + r * x_stride, w.k * sizeof(float));
+  at::parallel_for(0, w.n_pad / 16, 1, [&](int64_t s0, int64_t s1) {
+    for (int64_t s = s0; s < s1; ++s) tile_scalar(w, s, xp.data(), w.k_pad, m, y, y_stride);
+  });
+}
+
+void linear(const PackedLinear& w, const float* x, int64_t m, int64_t x_stride, float* y, int64_t y_stride) {
+  if (m <= 0) return;
+  switch (w.isa) {
+    case Isa::avx512bf16: return linear_avx512bf16(w, x, m, x_stride, y, y_stride);
+    case Isa::avx2: return linear_avx2(w, x, m, x_stride, y, y_stride);
+    case Isa::scalar: return linear_scalar(w, x, m, x_stride, y, y_stride);
+  }
+}
+
+// ---- peak multiply-accumulate rate: 12 independent chains of the path's instruction --------------------
+__attribute__((target("avx512f,avx512bw,avx512bf16"))) static double peak_avx512bf16(int64_t iterations) {
+  __m512 acc[12];
+  for (auto& a : acc) a = _mm512_setzero_ps();
+  __m512bh a = (__m512bh)_mm512_set1_epi32(0x3f803f80), b = (__m512bh)_mm512_set1_epi32(0x00010001);
+  auto start = std::chrono::steady_clock::now();
+  for (int64_t i = 0; i < iterations; ++i) {
+    for (auto& c : acc) c = _mm512_dpbf16_ps(c, a, b);
+    __asm__ volatile("" : "+v"(a));
+  }
+  double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  for (int i = 1; i < 12; ++i) acc[0] = _mm512_add_ps(acc[0], acc[i]);  // every chain is live
+  volatile float sink = _mm512_reduce_add_ps(acc[0]);
+  (void)sink;
+  return double(iterations) * 12 * 32 / seconds;  // 32 multiply-accumulates per vdpbf16ps
+}
+
+__attribute__((target("avx2,fma"))) static double peak_avx2(int64_t iterations) {
+  __m256 acc[12];
+  for (auto& a : acc) a = _mm256_setzero_ps();
+  __m256 a = _mm256_set1_ps(1e-7f), b = _mm256_set1_ps(1e-7f);
+  auto start = std::chrono::steady_clock::now();
+  for (int64_t i = 0; i < iterations; ++i) {
+    for (auto& c : acc) c = _mm256_fmadd_ps(a, b, c);
+    __asm__ volatile("" : "+x"(a));
+  }
+  double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  for (int i = 1; i < 12; ++i) acc[0] = _mm256_add_ps(acc[0], acc[i]);  // every chain is live
+  alignas(32) float out[8];
+  _mm256_store_ps(out, acc[0]);
+  volatile float sink = out[0];
+  (void)sink;
+  return double(iterations) * 12 * 8 / seconds;
+}
+
+static double peak_scalar(int64_t iterations) {
+  float acc[8] = {0};
+  volatile float a = 1e-7f;
+  float av = a;
+  auto start = std::chrono::steady_clock::now();
+  for (int64_t i = 0; i < iterations; ++i)
+    for (auto& c : acc) c = std::fmaf(av, av, c);
+  double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  volatile float sink = acc[0] + acc[1] + acc[2] + acc[3] + acc[4] + acc[5] + acc[6] + acc[7];
+  (void)sink;
+  return double(iterations) * 8 / seconds;
+}
+
+double peak_macs_per_second(Isa isa, int64_t iterations) {
+  switch (isa) {
+    case Isa::avx512bf16: return peak_avx512bf16(iterations);
+    case Isa::avx2: return peak_avx2(iterations);
+    case Isa::scalar: return peak_scalar(iterations);
+  }
+  return 0.0;
+}
+
+}  // namespace specstand

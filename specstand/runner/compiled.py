@@ -1,0 +1,73 @@
+"""The decode/verify forward as one compiled call (specstand/kernels), beside the Python reference.
+
+`DecoderModel` (transformer.py) stays the readable reference and the prompt path: prompt blocks run
+through torch's GEMMs, whose result depends on the block alone. Decode and verify rows run here: every op
+is row-local with a fixed reduction order, so a row's logits are bit-identical whether it is alone in its
+pass or one of U users x (K + 1) rows, and no padding is needed (`row_unit` 1).
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from specstand import kernels
+from specstand.runner.transformer import DecoderModel
+
+
+class CompiledDecoder:
+    """Packed bf16 weights of a DecoderModel and its compiled forward."""
+
+    def __init__(self, model: DecoderModel, path: str) -> None:
+        if model.dtype != torch.bfloat16:
+            raise kernels.KernelsUnavailable("the compiled forward runs bf16 weights; this model is not bf16")
+        s = model.shape
+        w = model.weights
+        intermediate = w.layers[0].down.shape[1]
+        if s.hidden_size % 8 or s.head_dim % 8 or intermediate % 8:
+            raise kernels.KernelsUnavailable("the compiled forward needs widths in multiples of 8")
+        self.path = path
+        self.model = model
+        module = kernels.load()
+        self._decoder = module.Decoder(s.hidden_size, s.num_heads, s.num_kv_heads, s.head_dim, intermediate,
+                                       s.rms_eps, kernels.PATHS[path])
+        empty = torch.empty(0)
+        for layer in w.layers:
+            self._decoder.add_layer(
+                layer.qkv, empty if layer.qkv_bias is None else layer.qkv_bias, layer.o_proj,
+                empty if layer.q_norm is None else layer.q_norm, empty if layer.k_norm is None else layer.k_norm,
+                layer.input_norm, layer.post_attention_norm, layer.gate_up, layer.down,
+            )
+        self._decoder.set_head(w.embed_tokens.contiguous(), w.final_norm, w.lm_head, torch.view_as_real(model.rope))
+
+    def forward(
+        self,
+        tokens: list[int],
+        slots: list[int],
+        positions: list[int],
+        keys: torch.Tensor,
+        values: torch.Tensor,
+        tap_layers: tuple[int, ...] = (),
+    ) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
+        """Rows of any requests at once: row r is token tokens[r] at position positions[r] of cache slot
+        slots[r], attending over that slot's positions 0..positions[r] (rows of one request see each
+        other). Returns fp32 logits [rows, vocab] and taps {layer: [rows, hidden]} in the model dtype."""
+        wanted = sorted(set(tap_layers))
+        logits, taps = self._decoder.forward(
+            torch.tensor(tokens), torch.tensor(slots), torch.tensor(positions), keys, values, wanted, True
+        )
+        return logits, {layer: t.to(self.model.dtype) for layer, t in zip(wanted, taps, strict=True)}
+
+
+def attach_compiled(model: DecoderModel, path: str | None = None, log=None) -> CompiledDecoder | None:
+    """Give `model` its compiled forward (kernel `path`, default the best this CPU has) and return it, or
+    leave it on the Python forward and return None (the reason logged) where that cannot run: not bf16,
+    no compiler, SPECSTAND_KERNEL_PATH=python, or a shape the kernels do not take."""
+    try:
+        model.compiled = CompiledDecoder(model, path or kernels.best_path())
+    except kernels.KernelsUnavailable as reason:
+        model.compiled = None
+        if log is not None and model.dtype == torch.bfloat16 and os.environ.get(kernels.PATH_ENV) != "python":
+            log(str(reason))
+    return model.compiled

@@ -1,0 +1,59 @@
+"""The linear kernel on every path this CPU runs: accuracy against float64 and batch invariance."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from specstand import kernels
+from tests.conftest import KERNEL_PATHS
+
+pytestmark = pytest.mark.skipif(not KERNEL_PATHS, reason="the kernels do not build on this machine")
+
+# (n, k): model-like, ragged (n not a multiple of 16, odd k), one input column
+SHAPES = [(96, 64), (37, 31), (130, 1)]
+
+
+def _reference(weight: torch.Tensor, x: torch.Tensor, path: str) -> torch.Tensor:
+    # the avx512bf16 path rounds activations to bf16 (vdpbf16ps takes bf16 operands); the others keep fp32
+    inputs = x.bfloat16() if path == "avx512bf16" else x
+    return inputs.double() @ weight.double().T
+
+
+@pytest.mark.parametrize("path", KERNEL_PATHS)
+@pytest.mark.parametrize("shape", SHAPES)
+def test_linear_matches_a_float64_reference(path, shape):
+    n, k = shape
+    generator = torch.Generator().manual_seed(n * 1000 + k)
+    weight = torch.randn(n, k, generator=generator).bfloat16()
+    x = torch.randn(9, k, generator=generator)
+    y = kernels.linear(weight, x, path)
+    assert y.shape == (9, n) and y.dtype == torch.float32
+    # fp32 accumulation of k products: each step rounds by at most 2^-24 of the running magnitude
+    bound = k * 2.0**-23 * (x.abs().double() @ weight.abs().double().T) + 1e-30
+    assert ((y.double() - _reference(weight, x, path)).abs() <= bound).all()
+
+
+@pytest.mark.parametrize("path", KERNEL_PATHS)
+def test_every_row_count_gives_the_bits_of_a_one_row_call(path):
+    generator = torch.Generator().manual_seed(1)
+    weight = torch.randn(200, 96, generator=generator).bfloat16()  # 13 strips: every column-tile tail
+    x = torch.randn(64, 96, generator=generator) * torch.logspace(-3, 3, 64)[:, None]
+    alone = torch.stack([kernels.linear(weight, x[i : i + 1], path)[0] for i in range(64)])
+    for rows in range(1, 65):
+        start = (rows * 7) % (65 - rows)  # rows taken at different offsets
+        assert torch.equal(kernels.linear(weight, x[start : start + rows], path), alone[start : start + rows]), rows
+
+
+@pytest.mark.parametrize("path", KERNEL_PATHS)
+def test_peak_rate_is_measured(path):
+    assert kernels.peak_macs_per_second(path, 200_000) > 0
+
+
+def test_a_forced_path_this_cpu_lacks_is_refused(monkeypatch):
+    monkeypatch.setenv(kernels.PATH_ENV, "nonsense")
+    with pytest.raises(kernels.KernelsUnavailable, match="not one of"):
+        kernels.best_path()
+    monkeypatch.setenv(kernels.PATH_ENV, "python")
+    with pytest.raises(kernels.KernelsUnavailable, match="Python forward"):
+        kernels.best_path()

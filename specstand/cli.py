@@ -35,6 +35,8 @@ def build_parser() -> argparse.ArgumentParser:
     fetch = models_cmd.add_parser("fetch", help="download and convert a preset once")
     fetch.add_argument("name")
 
+    commands.add_parser("doctor", help="CPU features, the kernel path chosen, peak compute and memory bandwidth")
+
     gen = commands.add_parser("generate", help="decode one prompt and print the answer and its stats")
     _model_args(gen)
     gen.add_argument("--temperature", type=float, default=0.0)
@@ -184,6 +186,13 @@ def cmd_models(args: argparse.Namespace) -> None:
     if args.name not in PRESETS:
         raise CliError(f"unknown model preset {args.name!r} (presets: {', '.join(PRESETS)})")
     print(fetch(args.name, log=_log))
+
+
+def cmd_doctor(args: argparse.Namespace) -> None:
+    from specstand import kernels
+
+    for line in kernels.describe():
+        print(line)
 
 
 def cmd_generate(args: argparse.Namespace) -> None:
@@ -478,9 +487,9 @@ def _run_one(engine) -> GenerationResult:
                 return event.finished
 
 
-COMMANDS = {"models": cmd_models, "generate": cmd_generate, "serve": cmd_serve, "workload": cmd_workload,
-            "record": cmd_record, "bench": cmd_bench, "train-data": cmd_train_data, "train": cmd_train,
-            "eval-drafter": cmd_eval_drafter, "export": cmd_export, "import": cmd_import}
+COMMANDS = {"models": cmd_models, "doctor": cmd_doctor, "generate": cmd_generate, "serve": cmd_serve,
+            "workload": cmd_workload, "record": cmd_record, "bench": cmd_bench, "train-data": cmd_train_data,
+            "train": cmd_train, "eval-drafter": cmd_eval_drafter, "export": cmd_export, "import": cmd_import}
 
 
 def main(argv: list[str] | None = None) -> int:

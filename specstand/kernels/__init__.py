@@ -11,7 +11,9 @@ from __future__ import annotations
 import hashlib
 import os
 import shutil
+import statistics
 import sys
+import time
 from functools import cache
 from pathlib import Path
 from types import ModuleType
@@ -111,3 +113,34 @@ def linear(weight: torch.Tensor, x: torch.Tensor, path: str) -> torch.Tensor:
 def peak_macs_per_second(path: str, iterations: int = 20_000_000) -> float:
     """Multiply-accumulates per second of one core running the path's instruction from registers."""
     return load().peak_macs_per_second(PATHS[path], iterations)
+
+
+def read_bandwidth_gbs(gib: float = 1.0, repeats: int = 5) -> float:
+    """Memory read bandwidth: median GB/s of summing `gib` GiB of fp32 on all of torch's threads. It drifts
+    where neighbours share the host: measure it beside every figure that is compared with it."""
+    x = torch.ones(int(gib * 256 * 1024 * 1024))
+    times = []
+    for _ in range(repeats):
+        started = time.perf_counter()
+        x.sum()
+        times.append(time.perf_counter() - started)
+    return x.numel() * 4 / statistics.median(times) / 1e9
+
+
+def describe() -> list[str]:
+    """What `specstand doctor` prints: the CPU, its features, the kernel path and the machine's rates."""
+    lines = [f"cpu: {cpu_model()} ({os.cpu_count()} cpus, torch uses {torch.get_num_threads()} threads)",
+             f"features: {' '.join(cpu_flags()) or 'none of avx2/avx512/amx'}"]
+    try:
+        paths = available_paths()
+        chosen = best_path()
+    except KernelsUnavailable as reason:
+        lines.append(f"kernel path: python ({reason})")
+    else:
+        lines.append(f"kernel paths this CPU runs: {', '.join(paths)}; chosen: {chosen}")
+        peak = peak_macs_per_second(chosen) * torch.get_num_threads()
+        lines.append(f"peak multiply-accumulate rate ({chosen}, register-only loop): {peak / 1e9:.0f} GMAC/s")
+        if "amx_bf16" in cpu_flags():
+            lines.append("note: this CPU has AMX; the kernels do not use it yet")
+    lines.append(f"read bandwidth (1 GiB fp32 sum): {read_bandwidth_gbs():.1f} GB/s")
+    return lines

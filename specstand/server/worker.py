@@ -98,10 +98,12 @@ class EngineWorker:
             self._by_engine_id[engine_id] = ticket_id
         for ticket_id in self._cancelled:
             ticket = self._tickets.pop(ticket_id, None)
-            if ticket is not None and ticket.engine_id is not None:
+            if ticket is None:
+                continue  # it finished before the hang-up was seen
+            if ticket.engine_id is not None:
                 self.engine.abort(ticket.engine_id)
                 self._by_engine_id.pop(ticket.engine_id, None)
-                self.metrics.record_cancelled()
+            self.metrics.record_cancelled()  # cancelled while running or still queued
         self._cancelled.clear()
         self.metrics.set_waiting(len(self._tickets))
 

@@ -127,6 +127,20 @@ def test_metrics_use_vllm_names(server):
 
 def test_disconnect_frees_the_slot(tiny_model_dir):
     live = LiveServer(tiny_model_dir, method="none", max_batch=1, max_queue=4)
+    # Hold the engine until the server has seen the hang-up, so the answer cannot finish first (a race the
+    # tiny model used to win now and then): every step waits for the worker's cancel call.
+    hung_up = threading.Event()
+    cancel, step = live.worker.cancel, live.worker.engine.step
+
+    def cancel_and_release(ticket: int) -> None:
+        cancel(ticket)
+        hung_up.set()
+
+    def held_step():
+        assert hung_up.wait(timeout=30), "the server never saw the client hang up"
+        return step()
+
+    live.worker.cancel, live.worker.engine.step = cancel_and_release, held_step
     try:
         body = {"messages": [{"role": "user", "content": "w1 w2"}], "max_tokens": 400, "temperature": 0,
                 "stream": True}

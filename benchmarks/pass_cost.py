@@ -1,0 +1,172 @@
+"""What one target pass costs, against its roofline, on this CPU: the compiled kernels beside torch.
+
+For a preset: ms per whole-model decode/verify pass at 1..64 rows (the compiled forward and the Python
+forward on torch's GEMMs, interleaved), prompt tokens/s, plain greedy decode tok/s (specstand and HF
+transformers `generate`) against the weight-read floor. Memory bandwidth (1 GiB fp32 sum) and the peak
+multiply-accumulate rate (a register-only loop of the kernel path's instruction, times threads) are
+measured in the same run; each pass prints its roofline max(weight bytes / bandwidth, MACs / peak).
+`--profile` splits a speculative step into target pass and the rest (drafting, verification, bookkeeping).
+
+    python benchmarks/pass_cost.py --model qwen2.5-coder-0.5b --out benchmarks/results/pass_cost_qwen.txt
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+from specstand import kernels
+from specstand.drafters import make_drafter
+from specstand.engine import Engine, EngineConfig, Request
+from specstand.models import load_model
+from specstand.runner import PassInput, TargetRunner
+
+ROWS = (1, 2, 4, 8, 16, 32, 64)
+CONTEXT = 256  # cache length every measured row attends over
+PROMPT = "Return a JSON object with the keys name, city and age for a 30-year-old called Ana from Porto."
+
+
+def weight_bytes_and_macs(runner: TargetRunner) -> tuple[int, int]:
+    """Bytes of the weights a decode pass reads (every layer's linears, norms and the head) and its
+    multiply-accumulates per row (linears only; attention at CONTEXT adds under 1%)."""
+    w = runner.model.weights
+    matrices = [t for layer in w.layers for t in (layer.qkv, layer.o_proj, layer.gate_up, layer.down)]
+    matrices.append(w.lm_head)
+    macs = sum(t.numel() for t in matrices)
+    return macs * 2, macs  # bf16: two bytes a weight
+
+
+def time_pass(runner: TargetRunner, slots: list[int], rows: int, repeats: int) -> float:
+    """Median seconds of one pass of `rows` rows spread over the slots (up to 8 rows a request)."""
+    per = max(1, -(-rows // len(slots)))
+    inputs = [PassInput(slots[i], [17] * min(per, rows - i * per)) for i in range(-(-rows // per))]
+    times = []
+    for _ in range(repeats):
+        for slot in slots:
+            runner.cache.rollback(slot, CONTEXT)
+        started = time.perf_counter()
+        runner.run(inputs, per)
+        times.append(time.perf_counter() - started)
+    return statistics.median(times)
+
+
+def decode_tokens_per_second(loaded, prompt_ids: list[int], tokens: int) -> float:
+    engine = Engine(loaded.decoder, None, EngineConfig(0, 1024, 1))
+    engine.generate([Request(prompt_ids, 4)])  # warm-up
+    started = time.perf_counter()
+    result = engine.generate([Request(prompt_ids, tokens)])[0]
+    return len(result.output_ids) / (time.perf_counter() - started)
+
+
+def hf_tokens_per_second(path: str, prompt_ids: list[int], tokens: int) -> float:
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).eval()
+    with torch.inference_mode():
+        hf.generate(torch.tensor([prompt_ids]), max_new_tokens=4, do_sample=False)
+        started = time.perf_counter()
+        out = hf.generate(torch.tensor([prompt_ids]), max_new_tokens=tokens, min_new_tokens=tokens, do_sample=False)
+    return (out.shape[1] - len(prompt_ids)) / (time.perf_counter() - started)
+
+
+def profile_step(loaded, prompt_ids: list[int], tokens: int) -> tuple[float, float]:
+    """Seconds in target passes and in everything else, over an n-gram-drafted greedy answer."""
+    engine = Engine(loaded.decoder, make_drafter("ngram"), EngineConfig(7, 1024, 1))
+    spent = [0.0]
+    run = engine.runner.run
+
+    def timed(*args, **kwargs):
+        started = time.perf_counter()
+        try:
+            return run(*args, **kwargs)
+        finally:
+            spent[0] += time.perf_counter() - started
+
+    engine.runner.run = timed
+    engine.add_request(Request(prompt_ids, tokens))
+    engine.step()  # admission: the prompt pass
+    spent[0] = 0.0
+    started = time.perf_counter()
+    while engine.has_work:
+        engine.step()
+    total = time.perf_counter() - started
+    return spent[0], total - spent[0]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", default="smollm2-135m")
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--tokens", type=int, default=64, help="tokens generated for the decode figures")
+    parser.add_argument("--profile", action="store_true")
+    parser.add_argument("--out", type=Path, help="also write the report here")
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    lines: list[str] = []
+
+    def say(line: str = "") -> None:
+        print(line, flush=True)
+        lines.append(line)
+
+    loaded = load_model(args.model, "bf16", max_seq_len=1024, log=lambda m: None)
+    compiled = loaded.decoder.compiled
+    path = compiled.path if compiled is not None else "python"
+    say(f"# pass cost: {args.model} bf16, {args.threads} threads")
+    say(f"cpu: {kernels.cpu_model()}; flags: {' '.join(kernels.cpu_flags())}; kernel path: {path}")
+    peak = kernels.peak_macs_per_second(path) * args.threads if compiled is not None else float("nan")
+    runner = TargetRunner(loaded.decoder, 8, 1024)
+    slots = [runner.cache.allocate() for _ in range(8)]
+    for slot in slots:
+        runner.prefill(slot, list(range(100, 100 + CONTEXT)))
+    weight_bytes, macs = weight_bytes_and_macs(runner)
+    bandwidth = kernels.read_bandwidth_gbs()
+    floor_ms = weight_bytes / bandwidth / 1e6
+    say(f"weights read per pass {weight_bytes / 1e6:.0f} MB; bandwidth {bandwidth:.1f} GB/s -> floor "
+        f"{floor_ms:.1f} ms; peak {peak / 1e9:.0f} GMAC/s ({path}, {args.threads} cores)")
+    say()
+    say("rows | compiled ms | x one row | roofline ms | x roofline | torch ms | torch/compiled")
+    say("-----|-------------|-----------|-------------|------------|----------|---------------")
+    one_row = None
+    for rows in ROWS:
+        ours = time_pass(runner, slots, rows, args.repeats) if compiled is not None else float("nan")
+        runner.compiled = None
+        theirs = time_pass(runner, slots, rows, args.repeats)
+        runner.compiled = compiled
+        roofline = max(floor_ms, rows * macs / peak * 1e3)
+        one_row = one_row or ours
+        say(f"{rows:4d} | {ours * 1e3:11.1f} | {ours / one_row:9.2f} | {roofline:11.1f} | "
+            f"{ours * 1e3 / roofline:10.2f} | {theirs * 1e3:8.1f} | {theirs / ours:14.2f}")
+    say()
+    prompt_ids = loaded.encode_messages([{"role": "user", "content": PROMPT}])
+    prompt = (prompt_ids * 8)[:512]
+    slot = slots[0]
+    times = []
+    for _ in range(3):
+        runner.cache.rollback(slot, 0)
+        started = time.perf_counter()
+        runner.prefill(slot, prompt)
+        times.append(time.perf_counter() - started)
+    say(f"prompt: {len(prompt) / statistics.median(times):.0f} tokens/s (512-token prompt, 64-token blocks, torch)")
+    ours = decode_tokens_per_second(loaded, prompt_ids, args.tokens)
+    floor_tps = 1e3 / floor_ms
+    say(f"plain decode: specstand {ours:.1f} tok/s = {ours / floor_tps:.0%} of the weight-read floor "
+        f"({floor_tps:.1f} tok/s at {bandwidth:.1f} GB/s)")
+    hf = hf_tokens_per_second(loaded.path, prompt_ids, args.tokens)
+    say(f"plain decode: HF transformers generate {hf:.1f} tok/s (specstand x{ours / hf:.2f})")
+    say(f"bandwidth after the run: {kernels.read_bandwidth_gbs():.1f} GB/s")
+    if args.profile:
+        target, rest = profile_step(loaded, prompt_ids, args.tokens)
+        say(f"profile (ngram, K=7, {args.tokens} tokens): target passes {target:.2f} s, drafting + "
+            f"verification + bookkeeping {rest:.2f} s ({rest / (target + rest):.0%} of a step)")
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text("\n".join(lines) + "\n")
+
+
+if __name__ == "__main__":
+    main()

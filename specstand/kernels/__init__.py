@@ -2,7 +2,7 @@
 
 Built on first use with torch.utils.cpp_extension (gcc + ninja) into a cache folder keyed by the sources,
 the torch version and the compiler, then loaded from there. The instruction path is chosen from what this
-CPU has (`best_path`), or forced with SPECSTAND_KERNEL_PATH=avx512bf16|avx2|scalar|python; `python` (or a
+CPU has (`best_path`), or forced with SPECSTAND_KERNEL_PATH=amx|avx512bf16|avx2|scalar|python; `python` (or a
 machine without a compiler) keeps the readable Python forward.
 """
 
@@ -22,7 +22,7 @@ import torch
 
 SOURCES = ("linear.cpp", "attention.cpp", "decoder.cpp")
 HEADERS = ("common.h", "linear.h", "attention.h")
-PATHS = {"scalar": 0, "avx2": 1, "avx512bf16": 2}  # the C++ Isa values, worst first
+PATHS = {"scalar": 0, "avx2": 1, "avx512bf16": 2, "amx": 3}  # the C++ Isa values, worst first
 PATH_ENV = "SPECSTAND_KERNEL_PATH"
 
 
@@ -140,7 +140,5 @@ def describe() -> list[str]:
         lines.append(f"kernel paths this CPU runs: {', '.join(paths)}; chosen: {chosen}")
         peak = peak_macs_per_second(chosen) * torch.get_num_threads()
         lines.append(f"peak multiply-accumulate rate ({chosen}, register-only loop): {peak / 1e9:.0f} GMAC/s")
-        if "amx_bf16" in cpu_flags():
-            lines.append("note: this CPU has AMX; the kernels do not use it yet")
     lines.append(f"read bandwidth (1 GiB fp32 sum): {read_bandwidth_gbs():.1f} GB/s")
     return lines

@@ -15,8 +15,8 @@ SHAPES = [(96, 64), (37, 31), (130, 1)]
 
 
 def _reference(weight: torch.Tensor, x: torch.Tensor, path: str) -> torch.Tensor:
-    # the avx512bf16 path rounds activations to bf16 (vdpbf16ps takes bf16 operands); the others keep fp32
-    inputs = x.bfloat16() if path == "avx512bf16" else x
+    # avx512bf16 and amx round activations to bf16 (their instructions take bf16 operands); the others keep fp32
+    inputs = x.bfloat16() if path in ("avx512bf16", "amx") else x
     return inputs.double() @ weight.double().T
 
 

@@ -1,6 +1,9 @@
 // Shared helpers of the kernels: ISA selection, bf16 conversion, an 8-lane float vector.
 #pragma once
 
+#include <sys/syscall.h>
+#include <unistd.h>
+
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -9,7 +12,17 @@ namespace specstand {
 
 // Instruction paths of the linear kernel, best last. Every path computes each output element with a
 // sequence of instructions that does not depend on how many rows share the call (batch invariance).
-enum class Isa : int { scalar = 0, avx2 = 1, avx512bf16 = 2 };
+enum class Isa : int { scalar = 0, avx2 = 1, avx512bf16 = 2, amx = 3 };
+
+// Linux hands a process the AMX tile registers only on request (arch_prctl ARCH_REQ_XCOMP_PERM).
+inline bool amx_permitted() {
+#if defined(__linux__) && defined(__x86_64__)
+  static const bool granted = syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XTILEDATA */) == 0;
+  return granted;
+#else
+  return false;
+#endif
+}
 
 inline bool cpu_has(Isa isa) {
   switch (isa) {
@@ -20,6 +33,8 @@ inline bool cpu_has(Isa isa) {
     case Isa::avx512bf16:
       return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
              __builtin_cpu_supports("avx512bf16");
+    case Isa::amx:
+      return __builtin_cpu_supports("amx-tile") && __builtin_cpu_supports("amx-bf16") && amx_permitted();
   }
   return false;
 }
@@ -29,6 +44,7 @@ inline const char* isa_name(Isa isa) {
     case Isa::scalar: return "scalar";
     case Isa::avx2: return "avx2";
     case Isa::avx512bf16: return "avx512bf16";
+    case Isa::amx: return "amx";
   }
   return "?";
 }

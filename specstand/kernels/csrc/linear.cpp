@@ -6,6 +6,8 @@
 // a 1-row call for every m. The tiles change how often a weight is reused, never the arithmetic.
 //   avx512bf16: vdpbf16ps, activations rounded to bf16 (RNE), fp32 accumulation (DAZ/FTZ in hardware).
 //   avx2:       bf16 weights widened to fp32 in registers, fp32 activations, one FMA per k.
+//   amx:        tdpbf16ps on 16-row tiles (fewer rows are zero-padded to 16, so a row always meets the same
+//               instruction sequence), activations rounded to bf16, weights padded to 32 k.
 //   scalar:     the same sums in plain C++ (one fmaf per k), for CPUs with neither.
 #include "linear.h"
 
@@ -24,7 +26,7 @@ PackedLinear pack_linear(const at::Tensor& weight, Isa isa) {
   p.n = w.size(0);
   p.k = w.size(1);
   p.n_pad = (p.n + 15) / 16 * 16;
-  p.k_pad = (p.k + 1) / 2 * 2;
+  p.k_pad = isa == Isa::amx ? (p.k + 31) / 32 * 32 : (p.k + 1) / 2 * 2;  // amx: whole 32-k tiles
   p.isa = isa;
   p.data = at::zeros({p.n_pad * p.k_pad}, at::kBFloat16);
   auto* dst = reinterpret_cast<uint16_t*>(p.data.data_ptr());
@@ -195,9 +197,93 @@ static void linear_scalar(const PackedLinear& w, const float* x, int64_t m, int6
   });
 }
 
+// ---- amx: 16 rows x 16 columns per accumulator tile, 32 k per tdpbf16ps -----------------------------------
+struct alignas(64) TileConfig {
+  uint8_t palette = 1, start_row = 0, reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+__attribute__((target("amx-tile,amx-bf16,avx512f"))) static void configure_tiles() {
+  TORCH_CHECK(amx_permitted(), "Linux did not grant this process the AMX tile registers");
+  TileConfig config;
+  for (int t = 0; t < 8; ++t) {  // C tiles 0-3: 16 x 16 fp32; A tile 4: 16 rows x 32 bf16; B tiles 5-7: 16 k pairs
+    config.rows[t] = 16;
+    config.colsb[t] = 64;
+  }
+  __asm__ volatile("" : : "r"(&config) : "memory");  // gcc 12 drops the stores above: ldtilecfg reads them
+  _tile_loadconfig(&config);
+}
+
+template <int NB>
+__attribute__((target("amx-tile,amx-bf16,avx512f"))) static void tile_amx(const PackedLinear& w, int64_t s0,
+                                                                          const uint16_t* xb, int64_t xs,
+                                                                          float* out /* [NB][16][16] */) {
+  _tile_zero(0);
+  if (NB > 1) _tile_zero(1);
+  if (NB > 2) _tile_zero(2);
+  if (NB > 3) _tile_zero(3);
+  const uint16_t* strips[NB];
+  for (int b = 0; b < NB; ++b) strips[b] = w.strip(s0 + b);
+  for (int64_t p = 0; p < w.k_pad / 2; p += 16) {
+    _tile_loadd(4, xb + 2 * p, xs * 2);
+    _tile_loadd(5, strips[0] + p * 32, 64);
+    _tile_dpbf16ps(0, 4, 5);
+    if (NB > 1) {
+      _tile_loadd(6, strips[1] + p * 32, 64);
+      _tile_dpbf16ps(1, 4, 6);
+    }
+    if (NB > 2) {
+      _tile_loadd(7, strips[2] + p * 32, 64);
+      _tile_dpbf16ps(2, 4, 7);
+    }
+    if (NB > 3) {
+      _tile_loadd(5, strips[3] + p * 32, 64);
+      _tile_dpbf16ps(3, 4, 5);
+    }
+  }
+  _tile_stored(0, out, 64);
+  if (NB > 1) _tile_stored(1, out + 256, 64);
+  if (NB > 2) _tile_stored(2, out + 512, 64);
+  if (NB > 3) _tile_stored(3, out + 768, 64);
+}
+
+static void linear_amx(const PackedLinear& w, const float* x, int64_t m, int64_t x_stride, float* y,
+                       int64_t y_stride) {
+  const int64_t blocks = (m + 15) / 16;
+  std::vector<uint16_t> xb(blocks * 16 * w.k_pad, 0);  // zero rows pad the last block to 16
+  for (int64_t r = 0; r < m; ++r)
+    for (int64_t kk = 0; kk < w.k; ++kk) xb[r * w.k_pad + kk] = float_to_bf16(x[r * x_stride + kk]);
+  constexpr int NB = 4;
+  const int64_t strips = w.n_pad / 16, groups = (strips + NB - 1) / NB;
+  at::parallel_for(0, groups, 1, [&](int64_t g0, int64_t g1) {
+    configure_tiles();  // tile state is per thread
+    alignas(64) float out[NB * 256];
+    for (int64_t g = g0; g < g1; ++g) {
+      const int64_t s0 = g * NB, nb = std::min<int64_t>(NB, strips - s0);
+      for (int64_t block = 0; block < blocks; ++block) {
+        const uint16_t* xr = xb.data() + block * 16 * w.k_pad;
+        switch (nb) {
+          case 4: tile_amx<4>(w, s0, xr, w.k_pad, out); break;
+          case 3: tile_amx<3>(w, s0, xr, w.k_pad, out); break;
+          case 2: tile_amx<2>(w, s0, xr, w.k_pad, out); break;
+          default: tile_amx<1>(w, s0, xr, w.k_pad, out); break;
+        }
+        const int64_t rows = std::min<int64_t>(16, m - block * 16);
+        for (int64_t b = 0; b < nb; ++b) {
+          const int64_t col = (s0 + b) * 16, valid = std::min<int64_t>(16, w.n - col);
+          for (int64_t r = 0; r < rows; ++r)
+            std::memcpy(y + (block * 16 + r) * y_stride + col, out + b * 256 + r * 16, valid * sizeof(float));
+        }
+      }
+    }
+  });
+}
+
 void linear(const PackedLinear& w, const float* x, int64_t m, int64_t x_stride, float* y, int64_t y_stride) {
   if (m <= 0) return;
   switch (w.isa) {
+    case Isa::amx: return linear_amx(w, x, m, x_stride, y, y_stride);
     case Isa::avx512bf16: return linear_avx512bf16(w, x, m, x_stride, y, y_stride);
     case Isa::avx2: return linear_avx2(w, x, m, x_stride, y, y_stride);
     case Isa::scalar: return linear_scalar(w, x, m, x_stride, y, y_stride);
@@ -252,8 +338,34 @@ static double peak_scalar(int64_t iterations) {
   return double(iterations) * 8 / seconds;
 }
 
+__attribute__((target("amx-tile,amx-bf16,avx512f"))) static double peak_amx(int64_t iterations) {
+  configure_tiles();
+  _tile_zero(0);
+  _tile_zero(1);
+  _tile_zero(2);
+  _tile_zero(3);
+  _tile_zero(4);
+  _tile_zero(5);
+  _tile_zero(6);
+  iterations = std::max<int64_t>(1, iterations / 16);
+  auto start = std::chrono::steady_clock::now();
+  for (int64_t i = 0; i < iterations; ++i) {  // four independent accumulators, operands in tiles
+    _tile_dpbf16ps(0, 4, 5);
+    _tile_dpbf16ps(1, 4, 6);
+    _tile_dpbf16ps(2, 5, 6);
+    _tile_dpbf16ps(3, 6, 5);
+  }
+  alignas(64) float out[256];
+  _tile_stored(0, out, 64);
+  double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  volatile float sink = out[0];
+  (void)sink;
+  return double(iterations) * 4 * 16 * 16 * 32 / seconds;  // 8192 multiply-accumulates per tdpbf16ps
+}
+
 double peak_macs_per_second(Isa isa, int64_t iterations) {
   switch (isa) {
+    case Isa::amx: return peak_amx(iterations);
     case Isa::avx512bf16: return peak_avx512bf16(iterations);
     case Isa::avx2: return peak_avx2(iterations);
     case Isa::scalar: return peak_scalar(iterations);

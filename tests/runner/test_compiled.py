@@ -8,7 +8,10 @@ import copy
 import pytest
 import torch
 
+from specstand import kernels
 from specstand.runner import PassInput, TargetRunner
+from specstand.runner.compiled import attach_compiled
+from specstand.runner.transformer import DecoderModel
 from tests.conftest import FAMILIES, KERNEL_PATHS, random_prompts, tiny_decoder, tiny_hf_model
 
 pytestmark = pytest.mark.skipif(not KERNEL_PATHS, reason="the kernels do not build on this machine")
@@ -73,3 +76,15 @@ def test_the_compiled_forward_refuses_rows_past_the_cache():
         runner.compiled.forward([3], [0], [keys.shape[3]], keys, runner.cache.values)
     with pytest.raises(RuntimeError, match="vocabulary"):
         runner.compiled.forward([10_000], [0], [0], keys, runner.cache.values)
+
+
+def test_the_python_forward_can_be_forced_and_fp32_keeps_it(monkeypatch):
+    model = DecoderModel(tiny_hf_model("llama", torch.bfloat16), 512)
+    monkeypatch.setenv(kernels.PATH_ENV, "python")
+    logged: list[str] = []
+    assert attach_compiled(model, log=logged.append) is None and model.compiled is None
+    assert logged == []  # asked for: nothing to warn about
+    monkeypatch.delenv(kernels.PATH_ENV)
+    assert attach_compiled(model) is not None and TargetRunner(model, 1, 128).compiled is model.compiled
+    fp32 = DecoderModel(tiny_hf_model("llama", torch.float32), 512)
+    assert attach_compiled(fp32, log=logged.append) is None and logged == []  # fp32 runs the Python forward

@@ -31,8 +31,8 @@ PROMPT = "Return a JSON object with the keys name, city and age for a 30-year-ol
 
 
 def weight_bytes_and_macs(runner: TargetRunner) -> tuple[int, int]:
-    """Bytes of the weights a decode pass reads (every layer's linears, norms and the head) and its
-    multiply-accumulates per row (linears only; attention at CONTEXT adds under 1%)."""
+    """Bytes of the weight matrices a decode pass reads (every layer's linears and the head; norms and the
+    looked-up embedding rows add well under 1%) and its multiply-accumulates per row (linears only)."""
     w = runner.model.weights
     matrices = [t for layer in w.layers for t in (layer.qkv, layer.o_proj, layer.gate_up, layer.down)]
     matrices.append(w.lm_head)

@@ -85,24 +85,30 @@ def best_path() -> str:
     return available_paths()[-1]
 
 
-def cpu_flags() -> list[str]:
-    """The CPU features that choose a kernel path (from /proc/cpuinfo)."""
+def _cpuinfo(field: str) -> str | None:
+    """The first `field` line of /proc/cpuinfo, or None where it cannot be read (not Linux)."""
     try:
         text = Path("/proc/cpuinfo").read_text()
     except OSError:
-        return []
-    flags = next((line.split(":", 1)[1].split() for line in text.splitlines() if line.startswith("flags")), [])
+        return None
+    return next((line.split(":", 1)[1].strip() for line in text.splitlines() if line.startswith(field)), "")
+
+
+def all_cpu_flags() -> set[str] | None:
+    """Every CPU feature flag, or None where /proc/cpuinfo cannot be read."""
+    line = _cpuinfo("flags")
+    return None if line is None else set(line.split())
+
+
+def cpu_flags() -> list[str]:
+    """The CPU features that choose a kernel path."""
+    flags = all_cpu_flags() or set()
     wanted = ("avx2", "fma", "avx512f", "avx512bw", "avx512_bf16", "amx_bf16", "amx_tile", "avx512_vnni")
     return [flag for flag in wanted if flag in flags]
 
 
 def cpu_model() -> str:
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return "unknown CPU"
-    return next((line.split(":", 1)[1].strip() for line in text.splitlines() if line.startswith("model name")),
-                "unknown CPU")
+    return _cpuinfo("model name") or "unknown CPU"
 
 
 def linear(weight: torch.Tensor, x: torch.Tensor, path: str) -> torch.Tensor:

@@ -10,10 +10,11 @@ Whether the machine's kernels really keep rows independent is checked at start-u
 from __future__ import annotations
 
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+
+from specstand import kernels
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
 ATTENTION_BUCKET = 128  # a row at position p attends over roundup(p + 1, ATTENTION_BUCKET) cache positions
@@ -53,9 +54,8 @@ class Weights:
 def has_fast_bf16_matmul() -> bool:
     """True where the CPU has bf16 matrix instructions (AVX512-BF16 or AMX). Without them a bf16 GEMM
     costs about one GEMV per row (measured on an AVX2 EPYC: 8 rows cost 7.5x one row, in fp32 2.1x)."""
-    try:
-        flags = Path("/proc/cpuinfo").read_text()
-    except OSError:
+    flags = kernels.all_cpu_flags()
+    if flags is None:
         return True  # not Linux: assume nothing and keep one copy of the weights
     return "avx512_bf16" in flags or "amx_bf16" in flags
 

@@ -55,15 +55,16 @@ __attribute__((target_clones("avx2", "default"), flatten)) static void attend_gr
       v8_store(out + g * dim + d, v8_load(&acc[g * dim + d]) * v8_splat(inverse_sum[g]));
 }
 
-void decode_attention(const float* q, float* out, int64_t rows, int64_t heads, const int64_t* slots,
-                      const int64_t* positions, const CacheView& cache, float scale) {
+void decode_attention(const float* q, int64_t q_stride, float* out, int64_t rows, int64_t heads,
+                      const int64_t* slots, const int64_t* positions, const CacheView& cache, float scale) {
   const int64_t group = heads / cache.kv_heads, dim = cache.head_dim, width = heads * dim;
   at::parallel_for(0, rows * cache.kv_heads, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> scores, acc;
     for (int64_t task = begin; task < end; ++task) {
       const int64_t r = task / cache.kv_heads, kv = task % cache.kv_heads;
-      const int64_t offset = r * width + kv * group * dim;
-      attend_group(q + offset, out + offset, group, slots[r], kv, positions[r] + 1, cache, scale, scores, acc);
+      const int64_t head0 = kv * group * dim;
+      attend_group(q + r * q_stride + head0, out + r * width + head0, group, slots[r], kv, positions[r] + 1, cache,
+                   scale, scores, acc);
     }
   });
 }

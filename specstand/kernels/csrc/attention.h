@@ -18,9 +18,10 @@ struct CacheView {
   }
 };
 
-// q, out: [rows][heads * head_dim]. Row r attends over positions 0..positions[r] of cache slot slots[r].
-// A row's result depends on its own query and cache entries alone: no padding, no shared reduction.
-void decode_attention(const float* q, float* out, int64_t rows, int64_t heads, const int64_t* slots,
-                      const int64_t* positions, const CacheView& cache, float scale);
+// q: rows of heads * head_dim queries, q_stride floats apart; out: [rows][heads * head_dim]. Row r attends
+// over positions 0..positions[r] of cache slot slots[r]. A row's result depends on its own query and cache
+// entries alone: no padding, no shared reduction.
+void decode_attention(const float* q, int64_t q_stride, float* out, int64_t rows, int64_t heads,
+                      const int64_t* slots, const int64_t* positions, const CacheView& cache, float scale);
 
 }  // namespace specstand

@@ -103,7 +103,7 @@ class Decoder {
     const int64_t H = hidden_, D = head_dim_, q_size = heads_ * D, kv_size = kv_heads_ * D;
     const int64_t qkv_width = q_size + 2 * kv_size, I = intermediate_;
     std::vector<float> h(rows * H), xn(rows * H), qkv(rows * qkv_width), attn(rows * q_size), tmp(rows * H),
-        gu(rows * 2 * I), act(rows * I), q(rows * q_size);
+        gu(rows * 2 * I), act(rows * I);
     const auto* embed = reinterpret_cast<const uint16_t*>(embed_.data_ptr());
     for (int64_t r = 0; r < rows; ++r)
       for (int64_t i = 0; i < H; ++i) h[r * H + i] = bf16_to_float(embed[tok_p[r] * H + i]);
@@ -145,10 +145,8 @@ class Decoder {
         }
       }
       // every row's K/V is in the cache before any row attends: a verify row sees the draft rows before it
-      for (int64_t r = 0; r < rows; ++r)
-        std::memcpy(q.data() + r * q_size, qkv.data() + r * qkv_width, q_size * sizeof(float));
       const CacheView cache{layer_keys, layer_values, num_slots, kv_heads_, capacity, D};
-      decode_attention(q.data(), attn.data(), rows, heads_, slot_p, pos_p, cache, scale);
+      decode_attention(qkv.data(), qkv_width, attn.data(), rows, heads_, slot_p, pos_p, cache, scale);
       linear(layer.o_proj, attn.data(), rows, q_size, tmp.data(), H);
       for (int64_t i = 0; i < rows * H; ++i) h[i] += tmp[i];
 
@@ -191,10 +189,14 @@ namespace {
 
 using specstand::Isa;
 
+Isa runnable(int64_t isa) {
+  TORCH_CHECK(specstand::cpu_has(static_cast<Isa>(isa)), "this CPU cannot run that path");
+  return static_cast<Isa>(isa);
+}
+
 // Test and benchmark entry: pack `weight` for `isa` and run x [m, k] fp32 through it.
 at::Tensor linear_once(const at::Tensor& weight, const at::Tensor& x, int64_t isa) {
-  TORCH_CHECK(specstand::cpu_has(static_cast<Isa>(isa)), "this CPU cannot run that path");
-  const specstand::PackedLinear packed = specstand::pack_linear(weight, static_cast<Isa>(isa));
+  const specstand::PackedLinear packed = specstand::pack_linear(weight, runnable(isa));
   at::Tensor input = x.to(at::kFloat).contiguous();
   TORCH_CHECK(input.dim() == 2 && input.size(1) == packed.k, "x must be [m, ", packed.k, "]");
   at::Tensor y = at::empty({input.size(0), packed.n}, at::kFloat);
@@ -205,9 +207,7 @@ at::Tensor linear_once(const at::Tensor& weight, const at::Tensor& x, int64_t is
 // A packed weight kept on the Python side (drafter layers and benchmarks call it many times).
 struct Linear {
   specstand::PackedLinear packed;
-  Linear(const at::Tensor& weight, int64_t isa) : packed(specstand::pack_linear(weight, static_cast<Isa>(isa))) {
-    TORCH_CHECK(specstand::cpu_has(static_cast<Isa>(isa)), "this CPU cannot run that path");
-  }
+  Linear(const at::Tensor& weight, int64_t isa) : packed(specstand::pack_linear(weight, runnable(isa))) {}
   at::Tensor forward(const at::Tensor& x) const {
     at::Tensor input = x.to(at::kFloat).contiguous();
     TORCH_CHECK(input.size(-1) == packed.k, "x must end in ", packed.k);

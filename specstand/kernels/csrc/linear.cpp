@@ -30,6 +30,7 @@ PackedLinear pack_linear(const at::Tensor& weight, Isa isa) {
   p.isa = isa;
   p.data = at::zeros({p.n_pad * p.k_pad}, at::kBFloat16);
   auto* dst = reinterpret_cast<uint16_t*>(p.data.data_ptr());
+  p.base = dst;
   const auto* src = reinterpret_cast<const uint16_t*>(w.data_ptr());
   at::parallel_for(0, p.n, 64, [&](int64_t begin, int64_t end) {
     for (int64_t col = begin; col < end; ++col) {
@@ -122,20 +123,25 @@ static void tile_scalar(const PackedLinear& w, int64_t s, const float* x, int64_
     }
 }
 
-// Tile shapes: few rows take more strips at once (more independent accumulators to hide latency);
-// many rows take tiles of 6 (avx512: 24 accumulators of 32 registers) or 4 (avx2: 16 of 16).
-template <typename Tile>
+// Tile shapes: rows go in tiles of Max (avx512: 6 rows x 4 strips = 24 accumulators of 32 registers; avx2:
+// 3 rows x 2 strips x 2 halves = 12 of 16), the remainder in one smaller tile. Few rows thus take several
+// strips at once, enough independent accumulators to hide the instruction latency.
+template <int R, typename Tile>
+static void tail_rows(int64_t r, int64_t left, Tile& tile) {
+  if constexpr (R > 0) {
+    if (left == R) {
+      tile(r, std::integral_constant<int, R>{});
+    } else {
+      tail_rows<R - 1>(r, left, tile);
+    }
+  }
+}
+
+template <int Max, typename Tile>
 static void run_rows(int64_t rows, Tile tile) {
   int64_t r = 0;
-  for (; r + 6 <= rows; r += 6) tile(r, std::integral_constant<int, 6>{});
-  switch (rows - r) {
-    case 5: tile(r, std::integral_constant<int, 5>{}); break;
-    case 4: tile(r, std::integral_constant<int, 4>{}); break;
-    case 3: tile(r, std::integral_constant<int, 3>{}); break;
-    case 2: tile(r, std::integral_constant<int, 2>{}); break;
-    case 1: tile(r, std::integral_constant<int, 1>{}); break;
-    default: break;
-  }
+  for (; r + Max <= rows; r += Max) tile(r, std::integral_constant<int, Max>{});
+  tail_rows<Max - 1>(r, rows - r, tile);
 }
 
 static void linear_avx512bf16(const PackedLinear& w, const float* x, int64_t m, int64_t x_stride, float* y,
@@ -149,7 +155,7 @@ static void linear_avx512bf16(const PackedLinear& w, const float* x, int64_t m, 
   at::parallel_for(0, groups, 1, [&](int64_t g0, int64_t g1) {
     for (int64_t g = g0; g < g1; ++g) {
       const int64_t s0 = g * NB, nb = std::min<int64_t>(NB, strips - s0);
-      run_rows(m, [&](int64_t r, auto rows) {
+      run_rows<6>(m, [&](int64_t r, auto rows) {
         constexpr int R = decltype(rows)::value;
         const uint16_t* xr = xb.data() + r * w.k_pad;
         float* yr = y + r * y_stride;
@@ -173,17 +179,15 @@ static void linear_avx2(const PackedLinear& w, const float* x, int64_t m, int64_
   at::parallel_for(0, groups, 1, [&](int64_t g0, int64_t g1) {
     for (int64_t g = g0; g < g1; ++g) {
       const int64_t s0 = g * NB, nb = std::min<int64_t>(NB, strips - s0);
-      int64_t r = 0;
-      auto tile = [&](auto rows_c) {
-        constexpr int R = decltype(rows_c)::value;
+      run_rows<3>(m, [&](int64_t r, auto rows) {
+        constexpr int R = decltype(rows)::value;
+        const float* xr = xp.data() + r * w.k_pad;
         if (nb == 2) {
-          tile_avx2<R, 2>(w, s0, xp.data() + r * w.k_pad, w.k_pad, y + r * y_stride, y_stride, s0 * 16);
+          tile_avx2<R, 2>(w, s0, xr, w.k_pad, y + r * y_stride, y_stride, s0 * 16);
         } else {
-          tile_avx2<R, 1>(w, s0, xp.data() + r * w.k_pad, w.k_pad, y + r * y_stride, y_stride, s0 * 16);
+          tile_avx2<R, 1>(w, s0, xr, w.k_pad, y + r * y_stride, y_stride, s0 * 16);
         }
-      };
-      for (; r + 3 <= m; r += 3) tile(std::integral_constant<int, 3>{});
-      for (; r < m; ++r) tile(std::integral_constant<int, 1>{});
+      });
     }
   });
 }
@@ -290,17 +294,23 @@ void linear(const PackedLinear& w, const float* x, int64_t m, int64_t x_stride, 
   }
 }
 
-// ---- peak multiply-accumulate rate: 12 independent chains of the path's instruction --------------------
+// ---- peak multiply-accumulate rate: independent chains of the path's instruction, operands in registers --
+
+struct Stopwatch {
+  std::chrono::steady_clock::time_point start = std::chrono::steady_clock::now();
+  double seconds() const { return std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count(); }
+};
+
 __attribute__((target("avx512f,avx512bw,avx512bf16"))) static double peak_avx512bf16(int64_t iterations) {
   __m512 acc[12];
   for (auto& a : acc) a = _mm512_setzero_ps();
   __m512bh a = (__m512bh)_mm512_set1_epi32(0x3f803f80), b = (__m512bh)_mm512_set1_epi32(0x00010001);
-  auto start = std::chrono::steady_clock::now();
+  const Stopwatch clock;
   for (int64_t i = 0; i < iterations; ++i) {
     for (auto& c : acc) c = _mm512_dpbf16_ps(c, a, b);
     __asm__ volatile("" : "+v"(a));
   }
-  double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  const double seconds = clock.seconds();
   for (int i = 1; i < 12; ++i) acc[0] = _mm512_add_ps(acc[0], acc[i]);  // every chain is live
   volatile float sink = _mm512_reduce_add_ps(acc[0]);
   (void)sink;
@@ -311,12 +321,12 @@ __attribute__((target("avx2,fma"))) static double peak_avx2(int64_t iterations) 
   __m256 acc[12];
   for (auto& a : acc) a = _mm256_setzero_ps();
   __m256 a = _mm256_set1_ps(1e-7f), b = _mm256_set1_ps(1e-7f);
-  auto start = std::chrono::steady_clock::now();
+  const Stopwatch clock;
   for (int64_t i = 0; i < iterations; ++i) {
     for (auto& c : acc) c = _mm256_fmadd_ps(a, b, c);
     __asm__ volatile("" : "+x"(a));
   }
-  double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  const double seconds = clock.seconds();
   for (int i = 1; i < 12; ++i) acc[0] = _mm256_add_ps(acc[0], acc[i]);  // every chain is live
   alignas(32) float out[8];
   _mm256_store_ps(out, acc[0]);
@@ -329,10 +339,10 @@ static double peak_scalar(int64_t iterations) {
   float acc[8] = {0};
   volatile float a = 1e-7f;
   float av = a;
-  auto start = std::chrono::steady_clock::now();
+  const Stopwatch clock;
   for (int64_t i = 0; i < iterations; ++i)
     for (auto& c : acc) c = std::fmaf(av, av, c);
-  double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  const double seconds = clock.seconds();
   volatile float sink = acc[0] + acc[1] + acc[2] + acc[3] + acc[4] + acc[5] + acc[6] + acc[7];
   (void)sink;
   return double(iterations) * 8 / seconds;
@@ -348,7 +358,7 @@ __attribute__((target("amx-tile,amx-bf16,avx512f"))) static double peak_amx(int6
   _tile_zero(5);
   _tile_zero(6);
   iterations = std::max<int64_t>(1, iterations / 16);
-  auto start = std::chrono::steady_clock::now();
+  const Stopwatch clock;
   for (int64_t i = 0; i < iterations; ++i) {  // four independent accumulators, operands in tiles
     _tile_dpbf16ps(0, 4, 5);
     _tile_dpbf16ps(1, 4, 6);
@@ -357,7 +367,7 @@ __attribute__((target("amx-tile,amx-bf16,avx512f"))) static double peak_amx(int6
   }
   alignas(64) float out[256];
   _tile_stored(0, out, 64);
-  double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  const double seconds = clock.seconds();
   volatile float sink = out[0];
   (void)sink;
   return double(iterations) * 4 * 16 * 16 * 32 / seconds;  // 8192 multiply-accumulates per tdpbf16ps

@@ -13,15 +13,10 @@ namespace specstand {
 struct PackedLinear {
   int64_t n = 0, k = 0, n_pad = 0, k_pad = 0;
   Isa isa = Isa::scalar;
-  at::Tensor data;  // bf16 storage, 64-byte aligned by torch's CPU allocator
+  at::Tensor data;               // bf16 storage, 64-byte aligned by torch's CPU allocator
+  const uint16_t* base = nullptr;  // data's first element, read in the tile loops
 
-  const uint16_t* strip(int64_t s) const {
-    return reinterpret_cast<const uint16_t*>(data.data_ptr()) + s * k_pad * 16;
-  }
-  // W[col, k] as float, read from the packed layout (used for embedding lookups)
-  float at(int64_t col, int64_t kk) const {
-    return bf16_to_float(strip(col / 16)[(kk / 2) * 32 + (col % 16) * 2 + (kk % 2)]);
-  }
+  const uint16_t* strip(int64_t s) const { return base + s * k_pad * 16; }
 };
 
 PackedLinear pack_linear(const at::Tensor& weight, Isa isa);

@@ -26,7 +26,6 @@ from specstand.models import load_model
 from specstand.runner import PassInput, TargetRunner
 
 ROWS = (1, 2, 4, 8, 16, 32, 64)
-CONTEXT = 256  # cache length every measured row attends over
 PROMPT = "Return a JSON object with the keys name, city and age for a 30-year-old called Ana from Porto."
 
 
@@ -40,18 +39,29 @@ def weight_bytes_and_macs(runner: TargetRunner) -> tuple[int, int]:
     return macs * 2, macs  # bf16: two bytes a weight
 
 
-def time_pass(runner: TargetRunner, slots: list[int], rows: int, repeats: int) -> float:
-    """Median seconds of one pass of `rows` rows spread over the slots (up to 8 rows a request)."""
+def time_pass(runner: TargetRunner, slots: list[int], rows: int, repeats: int, context: int) -> float:
+    """Median seconds of one pass of `rows` rows spread over the slots (up to 8 rows a request), each
+    request's cache `context` long."""
     per = max(1, -(-rows // len(slots)))
     inputs = [PassInput(slots[i], [17] * min(per, rows - i * per)) for i in range(-(-rows // per))]
     times = []
     for _ in range(repeats):
         for slot in slots:
-            runner.cache.rollback(slot, CONTEXT)
+            runner.cache.rollback(slot, context)
         started = time.perf_counter()
         runner.run(inputs, per)
         times.append(time.perf_counter() - started)
     return statistics.median(times)
+
+
+def prompt_tokens_per_second(runner: TargetRunner, slot: int, prompt: list[int]) -> float:
+    times = []
+    for _ in range(3):
+        runner.cache.rollback(slot, 0)
+        started = time.perf_counter()
+        runner.prefill(slot, prompt)
+        times.append(time.perf_counter() - started)
+    return len(prompt) / statistics.median(times)
 
 
 def decode_tokens_per_second(loaded, prompt_ids: list[int], tokens: int) -> float:
@@ -103,7 +113,9 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--tokens", type=int, default=64, help="tokens generated for the decode figures")
-    parser.add_argument("--profile", action="store_true")
+    parser.add_argument("--context", type=int, default=256, help="cache length every measured row attends over")
+    parser.add_argument("--profile", action="store_true",
+                        help="also split passes into linears / attention / head / rest, and a step into pass / rest")
     parser.add_argument("--out", type=Path, help="also write the report here")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
@@ -113,45 +125,61 @@ def main() -> None:
         print(line, flush=True)
         lines.append(line)
 
-    loaded = load_model(args.model, "bf16", max_seq_len=1024, log=lambda m: None)
+    capacity = max(1024, args.context + 64)
+    loaded = load_model(args.model, "bf16", max_seq_len=capacity, log=lambda m: None)
     compiled = loaded.decoder.compiled
     path = compiled.path if compiled is not None else "python"
     say(f"# pass cost: {args.model} bf16, {args.threads} threads")
     say(f"cpu: {kernels.cpu_model()}; flags: {' '.join(kernels.cpu_flags())}; kernel path: {path}")
     peak = kernels.peak_macs_per_second(path) * args.threads if compiled is not None else float("nan")
-    runner = TargetRunner(loaded.decoder, 8, 1024)
+    runner = TargetRunner(loaded.decoder, 8, capacity)
     slots = [runner.cache.allocate() for _ in range(8)]
     for slot in slots:
-        runner.prefill(slot, list(range(100, 100 + CONTEXT)))
+        runner.prefill(slot, list(range(100, 100 + args.context)))
     weight_bytes, macs = weight_bytes_and_macs(runner)
     bandwidth = kernels.read_bandwidth_gbs()
     floor_ms = weight_bytes / bandwidth / 1e6
     say(f"weights read per pass {weight_bytes / 1e6:.0f} MB; bandwidth {bandwidth:.1f} GB/s -> floor "
         f"{floor_ms:.1f} ms; peak {peak / 1e9:.0f} GMAC/s ({path}, {args.threads} cores)")
+    say(f"every row attends over {args.context} cached positions of its request (up to 8 rows a request)")
     say()
     say("rows | compiled ms | x one row | roofline ms | x roofline | torch ms | torch/compiled")
     say("-----|-------------|-----------|-------------|------------|----------|---------------")
     one_row = None
+    splits = {}
     for rows in ROWS:
-        ours = time_pass(runner, slots, rows, args.repeats) if compiled is not None else float("nan")
+        if compiled is not None:
+            compiled.take_profile()
+            ours = time_pass(runner, slots, rows, args.repeats, args.context)
+            splits[rows] = {phase: seconds / args.repeats for phase, seconds in compiled.take_profile().items()}
+        else:
+            ours = float("nan")
         runner.compiled = None
-        theirs = time_pass(runner, slots, rows, args.repeats)
+        theirs = time_pass(runner, slots, rows, args.repeats, args.context)
         runner.compiled = compiled
         roofline = max(floor_ms, rows * macs / peak * 1e3)
         one_row = one_row or ours
         say(f"{rows:4d} | {ours * 1e3:11.1f} | {ours / one_row:9.2f} | {roofline:11.1f} | "
             f"{ours * 1e3 / roofline:10.2f} | {theirs * 1e3:8.1f} | {theirs / ours:14.2f}")
+    if args.profile and splits:
+        say()
+        say("rows | linears ms | attention ms | head ms | rest ms   (inside a compiled pass)")
+        for rows, split in splits.items():
+            say(f"{rows:4d} | {split['linear'] * 1e3:10.1f} | {split['attention'] * 1e3:12.1f} | "
+                f"{split['head'] * 1e3:7.1f} | {split['other'] * 1e3:7.1f}")
     say()
     prompt_ids = loaded.encode_messages([{"role": "user", "content": PROMPT}])
     prompt = (prompt_ids * 8)[:512]
-    slot = slots[0]
-    times = []
-    for _ in range(3):
-        runner.cache.rollback(slot, 0)
-        started = time.perf_counter()
-        runner.prefill(slot, prompt)
-        times.append(time.perf_counter() - started)
-    say(f"prompt: {len(prompt) / statistics.median(times):.0f} tokens/s (512-token prompt, 64-token blocks, torch)")
+    rates = {}
+    for name, compiled_prompts in (("compiled", True), ("torch", False)):
+        if compiled_prompts and compiled is None:
+            continue
+        runner.compiled_prompts = compiled_prompts
+        rates[name] = prompt_tokens_per_second(runner, slots[0], prompt)
+    runner.compiled_prompts = compiled is not None and compiled.fast_for_prompts
+    used = "compiled" if runner.compiled_prompts else "torch"
+    measured = ", ".join(f"{name} {rate:.0f} tokens/s" for name, rate in rates.items())
+    say(f"prompt (512 tokens, 64-row blocks): {measured}; the engine uses {used} on this path")
     ours = decode_tokens_per_second(loaded, prompt_ids, args.tokens)
     floor_tps = 1e3 / floor_ms
     say(f"plain decode: specstand {ours:.1f} tok/s = {ours / floor_tps:.0%} of the weight-read floor "

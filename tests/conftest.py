@@ -50,10 +50,14 @@ KERNEL_PATHS = _kernel_paths()
 FORWARDS = ["python", *KERNEL_PATHS]
 
 
-def tiny_hf_model(family: str, dtype: torch.dtype = torch.float32, seed: int = 0) -> torch.nn.Module:
+def tiny_hf_model(
+    family: str, dtype: torch.dtype = torch.float32, seed: int = 0, head_dim: int = 16
+) -> torch.nn.Module:
     cls, make_config = FAMILIES[family]
     torch.manual_seed(seed)
-    model = cls(make_config()).eval()
+    config = make_config()
+    config.head_dim = head_dim
+    model = cls(config).eval()
     if family == "qwen2":  # random init leaves biases at zero; make them matter
         for layer in model.model.layers:
             for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
@@ -62,10 +66,11 @@ def tiny_hf_model(family: str, dtype: torch.dtype = torch.float32, seed: int = 0
 
 
 def tiny_decoder(
-    family: str, dtype: torch.dtype = torch.float32, max_positions: int = 512, forward: str = "python"
+    family: str, dtype: torch.dtype = torch.float32, max_positions: int = 512, forward: str = "python",
+    head_dim: int = 16,
 ) -> DecoderModel:
     """A tiny target whose decode/verify passes run `forward`: "python" or a kernel path (bf16 only)."""
-    model = DecoderModel(tiny_hf_model(family, dtype), max_positions)
+    model = DecoderModel(tiny_hf_model(family, dtype, head_dim=head_dim), max_positions)
     if forward != "python":
         assert attach_compiled(model, forward) is not None
     return model

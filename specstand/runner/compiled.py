@@ -1,9 +1,10 @@
 """The decode/verify forward as one compiled call (specstand/kernels), beside the Python reference.
 
-`DecoderModel` (transformer.py) stays the readable reference and the prompt path: prompt blocks run
-through torch's GEMMs, whose result depends on the block alone. Decode and verify rows run here: every op
+`DecoderModel` (transformer.py) stays the readable reference. Decode and verify rows run here: every op
 is row-local with a fixed reduction order, so a row's logits are bit-identical whether it is alone in its
-pass or one of U users x (K + 1) rows, and no padding is needed (`row_unit` 1).
+pass or one of U users x (K + 1) rows, and no padding is needed (`row_unit` 1). Prompt blocks run here too
+where the path has bf16 dot-product instructions (amx, avx512bf16: a 64-row block costs a few decode
+steps); on avx2 and scalar they stay on torch's GEMMs, which are faster there for whole blocks.
 """
 
 from __future__ import annotations
@@ -14,6 +15,8 @@ import torch
 
 from specstand import kernels
 from specstand.runner.transformer import DecoderModel
+
+PROMPT_PATHS = ("amx", "avx512bf16")  # kernel paths that also compute prompt blocks
 
 
 class CompiledDecoder:
@@ -28,6 +31,7 @@ class CompiledDecoder:
         if s.hidden_size % 8 or s.head_dim % 8 or intermediate % 8:
             raise kernels.KernelsUnavailable("the compiled forward needs widths in multiples of 8")
         self.path = path
+        self.fast_for_prompts = path in PROMPT_PATHS
         self.model = model
         module = kernels.load()
         self._decoder = module.Decoder(s.hidden_size, s.num_heads, s.num_kv_heads, s.head_dim, intermediate,
@@ -49,15 +53,22 @@ class CompiledDecoder:
         keys: torch.Tensor,
         values: torch.Tensor,
         tap_layers: tuple[int, ...] = (),
+        logit_rows: list[int] | None = None,
     ) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
         """Rows of any requests at once: row r is token tokens[r] at position positions[r] of cache slot
         slots[r], attending over that slot's positions 0..positions[r] (rows of one request see each
-        other). Returns fp32 logits [rows, vocab] and taps {layer: [rows, hidden]} in the model dtype."""
+        other). Returns fp32 logits [len(logit_rows), vocab] (default: every row) and taps
+        {layer: [rows, hidden]} in the model dtype."""
         wanted = sorted(set(tap_layers))
         logits, taps = self._decoder.forward(
-            torch.tensor(tokens), torch.tensor(slots), torch.tensor(positions), keys, values, wanted, True
+            torch.tensor(tokens), torch.tensor(slots), torch.tensor(positions), keys, values, wanted,
+            list(range(len(tokens))) if logit_rows is None else logit_rows,
         )
         return logits, {layer: t.to(self.model.dtype) for layer, t in zip(wanted, taps, strict=True)}
+
+    def take_profile(self) -> dict[str, float]:
+        """Seconds spent in linears, attention, the head and everything else since the last call."""
+        return self._decoder.take_profile()
 
 
 def attach_compiled(model: DecoderModel, path: str | None = None, log=None) -> CompiledDecoder | None:
@@ -66,6 +77,8 @@ def attach_compiled(model: DecoderModel, path: str | None = None, log=None) -> C
     no compiler, SPECSTAND_KERNEL_PATH=python, or a shape the kernels do not take."""
     try:
         model.compiled = CompiledDecoder(model, path or kernels.best_path())
+        if model.compiled.fast_for_prompts:
+            model.prefill_weights = model.weights  # an fp32 copy for torch's prompt GEMMs is no longer read
     except kernels.KernelsUnavailable as reason:
         model.compiled = None
         if log is not None and model.dtype == torch.bfloat16 and os.environ.get(kernels.PATH_ENV) != "python":

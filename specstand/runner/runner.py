@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass, field
 
 import torch
@@ -11,8 +12,9 @@ from specstand.runner.kv_cache import KVCache
 from specstand.runner.transformer import ATTENTION_BUCKET, DecoderModel
 
 # Prompts are computed in blocks of PREFILL_BLOCK positions aligned to multiples of it, each padded to the
-# full block: a position's prompt K/V then depends on its block alone, so a cached prompt prefix (rounded
-# down to a block) is bit-identical to computing the prompt afresh.
+# full block on the Python forward: a position's prompt K/V then depends on its block alone, so a cached
+# prompt prefix (rounded down to a block) is bit-identical to computing the prompt afresh. The compiled
+# forward's rows depend on nothing else in their pass, so there it holds whatever the blocks.
 PREFILL_BLOCK = 64
 
 
@@ -34,8 +36,10 @@ class TargetRunner:
             raise ValueError(f"cache capacity {capacity} exceeds the model's {model.max_positions} positions")
         s = model.shape
         self.model = model
-        # decode/verify passes run the model's compiled forward where it has one; prompts the Python one
+        # passes run the model's compiled forward where it has one; prompts too where its path is fast at
+        # 64-row blocks (bf16 dot-product instructions), else torch's GEMMs
         self.compiled: CompiledDecoder | None = model.compiled
+        self.compiled_prompts = self.compiled is not None and self.compiled.fast_for_prompts
         self.capacity = capacity
         # attention reads whole buckets, so the buffers end on a bucket boundary
         buffer_len = -(-capacity // ATTENTION_BUCKET) * ATTENTION_BUCKET
@@ -55,8 +59,8 @@ class TargetRunner:
                 raise ValueError(f"a pass needs 1..{width} tokens per request, got {len(item.tokens)}")
             if start + width > self.cache.capacity:  # padding rows may use the bucket's tail
                 raise ValueError(f"slot {item.slot} would exceed the cache capacity {self.capacity}")
-        if self.compiled is not None and not prefill:
-            return self._run_compiled(inputs, starts, tap_layers)
+        if self.compiled is not None and (self.compiled_prompts or not prefill):
+            return self._run_compiled(inputs, starts, tap_layers, prefill)
         rows = [item.tokens + [item.tokens[-1]] * (width - len(item.tokens)) for item in inputs]
         logits, taps = self.model.forward(
             torch.tensor(rows), starts, [item.slot for item in inputs],
@@ -72,18 +76,22 @@ class TargetRunner:
         return outputs
 
     def _run_compiled(
-        self, inputs: list[PassInput], starts: list[int], tap_layers: tuple[int, ...]
+        self, inputs: list[PassInput], starts: list[int], tap_layers: tuple[int, ...], last_only: bool
     ) -> list[PassOutput]:
         tokens = [t for item in inputs for t in item.tokens]
         slots = [item.slot for item in inputs for _ in item.tokens]
         positions = [start + i for item, start in zip(inputs, starts, strict=True) for i in range(len(item.tokens))]
-        logits, taps = self.compiled.forward(tokens, slots, positions, self.cache.keys, self.cache.values, tap_layers)
-        outputs, row = [], 0
-        for item, start in zip(inputs, starts, strict=True):
+        ends = list(itertools.accumulate(len(item.tokens) for item in inputs))
+        logit_rows = [end - 1 for end in ends] if last_only else None
+        logits, taps = self.compiled.forward(
+            tokens, slots, positions, self.cache.keys, self.cache.values, tap_layers, logit_rows
+        )
+        outputs = []
+        for b, (item, start, end) in enumerate(zip(inputs, starts, ends, strict=True)):
             n = len(item.tokens)
             self.cache.lengths[item.slot] = start + n
-            outputs.append(PassOutput(logits[row : row + n], {layer: t[row : row + n] for layer, t in taps.items()}))
-            row += n
+            rows = logits[b : b + 1] if last_only else logits[end - n : end]
+            outputs.append(PassOutput(rows, {layer: t[end - n : end] for layer, t in taps.items()}))
         return outputs
 
     def prefill(self, slot: int, tokens: list[int], tap_layers: tuple[int, ...] = ()) -> PassOutput:

@@ -17,13 +17,20 @@ from tests.conftest import FAMILIES, KERNEL_PATHS, random_prompts, tiny_decoder,
 pytestmark = pytest.mark.skipif(not KERNEL_PATHS, reason="the kernels do not build on this machine")
 
 
+# head widths: 16 (the tiny twins), 64 (both presets), 128; each takes its own attention code
+HEAD_DIMS = (16, 64, 128)
+
+
+@pytest.mark.parametrize("head_dim", HEAD_DIMS)
 @pytest.mark.parametrize("path", KERNEL_PATHS)
 @pytest.mark.parametrize("family", FAMILIES)
-def test_logits_at_least_as_close_to_fp32_as_transformers_bf16(family, path):
-    hf = tiny_hf_model(family, torch.bfloat16)
+def test_logits_at_least_as_close_to_fp32_as_transformers_bf16(family, path, head_dim):
+    hf = tiny_hf_model(family, torch.bfloat16, head_dim=head_dim)
     reference = copy.deepcopy(hf).float()  # the same (bf16-valued) weights, computed in fp32
     prompt = random_prompts(1, 90, seed=4)[0]
-    runner = TargetRunner(tiny_decoder(family, torch.bfloat16, forward=path), num_slots=1, capacity=256)
+    model = DecoderModel(hf, 512)
+    attach_compiled(model, path)
+    runner = TargetRunner(model, num_slots=1, capacity=256)
     slot = runner.cache.allocate()
     runner.prefill(slot, prompt[:64])
     ours = torch.cat([runner.run([PassInput(slot, prompt[i : i + 6])], 6)[0].logits for i in range(64, 88, 6)])
@@ -36,12 +43,14 @@ def test_logits_at_least_as_close_to_fp32_as_transformers_bf16(family, path):
     assert our_error < 0.05  # and not merely "no worse": the reference's logits span about +-1
 
 
+@pytest.mark.parametrize("head_dim", HEAD_DIMS)
 @pytest.mark.parametrize("path", KERNEL_PATHS)
 @pytest.mark.parametrize("family", ["llama", "qwen3"])
-def test_rows_are_bit_identical_whatever_shares_the_pass(family, path):
+def test_rows_are_bit_identical_whatever_shares_the_pass(family, path, head_dim):
     """Three requests at different cache lengths; each row computed alone equals the same row computed in
     passes of every mix of request counts and row counts (1..K+1 rows each)."""
-    runner = TargetRunner(tiny_decoder(family, torch.bfloat16, forward=path), num_slots=3, capacity=400)
+    model = tiny_decoder(family, torch.bfloat16, forward=path, head_dim=head_dim)
+    runner = TargetRunner(model, num_slots=3, capacity=400)
     prompts = [random_prompts(1, n, seed=n)[0] for n in (64, 150, 220)]
     tails = random_prompts(3, 12, seed=9)
     slots = [runner.cache.allocate() for _ in prompts]
@@ -67,6 +76,24 @@ def test_rows_are_bit_identical_whatever_shares_the_pass(family, path):
         mixed = compute(groups)
         for i in range(3):
             assert torch.equal(mixed[i], alone[i]), (groups, i)
+
+
+@pytest.mark.parametrize("path", KERNEL_PATHS)
+def test_prompt_blocks_equal_one_row_at_a_time_where_the_kernels_compute_prompts(path):
+    """On amx/avx512bf16 prompts run through the kernels too: a 150-token prompt in 64-row blocks leaves
+    the same cache and last logits, to the bit, as feeding it one token a pass."""
+    runner = TargetRunner(tiny_decoder("qwen2", torch.bfloat16, forward=path, head_dim=64), 2, 256)
+    assert runner.compiled_prompts == (path in ("amx", "avx512bf16"))
+    if not runner.compiled_prompts:
+        pytest.skip(f"on {path} torch computes prompt blocks (the Python forward's tests cover them)")
+    prompt = random_prompts(1, 150, seed=3)[0]
+    blocks, single = runner.cache.allocate(), runner.cache.allocate()
+    last = runner.prefill(blocks, prompt, tap_layers=(1,))
+    for token in prompt:
+        one = runner.run([PassInput(single, [token])], 1, tap_layers=(1,))[0]
+    assert torch.equal(last.logits, one.logits)
+    assert torch.equal(runner.cache.keys[:, blocks, :, :150], runner.cache.keys[:, single, :, :150])
+    assert torch.equal(runner.cache.values[:, blocks, :, :150], runner.cache.values[:, single, :, :150])
 
 
 def test_the_compiled_forward_refuses_rows_past_the_cache():

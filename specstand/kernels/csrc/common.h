@@ -65,41 +65,57 @@ inline uint16_t float_to_bf16(float f) {
   return uint16_t(bits >> 16);
 }
 
-// Eight float lanes with GCC vector extensions. Built with -ffp-contract=off, every lane op is one IEEE
-// operation, so results are the same whatever ISA the compiler lowers it to (SSE pairs or AVX).
+// Eight and sixteen float lanes with GCC vector extensions. Built with -ffp-contract=off, every lane op
+// is one IEEE operation, so results are the same whatever ISA the compiler lowers it to (SSE pairs or AVX).
 typedef float v8f __attribute__((vector_size(32)));
 typedef int32_t v8i __attribute__((vector_size(32)));
+typedef float v16f __attribute__((vector_size(64)));
+typedef int32_t v16i __attribute__((vector_size(64)));
 
-inline v8f v8_load(const float* p) {
+#define SPECSTAND_INLINE inline __attribute__((always_inline))
+
+SPECSTAND_INLINE v8f v8_load(const float* p) {
   v8f v;
   std::memcpy(&v, p, sizeof(v));
   return v;
 }
-inline void v8_store(float* p, v8f v) { std::memcpy(p, &v, sizeof(v)); }
-inline v8f v8_splat(float x) { return v8f{x, x, x, x, x, x, x, x}; }
+SPECSTAND_INLINE void v8_store(float* p, v8f v) { std::memcpy(p, &v, sizeof(v)); }
+SPECSTAND_INLINE v8f v8_splat(float x) { return v8f{} + x; }
+SPECSTAND_INLINE v16f v16_splat(float x) { return v16f{} + x; }
 
-// Fixed-order horizontal sum.
-inline float v8_sum(v8f v) { return ((v[0] + v[4]) + (v[2] + v[6])) + ((v[1] + v[5]) + (v[3] + v[7])); }
+// Fixed-order horizontal sums.
+SPECSTAND_INLINE float v8_sum(v8f v) { return ((v[0] + v[4]) + (v[2] + v[6])) + ((v[1] + v[5]) + (v[3] + v[7])); }
+SPECSTAND_INLINE float v16_sum(v16f v) {
+  const v8f low = {v[0], v[1], v[2], v[3], v[4], v[5], v[6], v[7]};
+  const v8f high = {v[8], v[9], v[10], v[11], v[12], v[13], v[14], v[15]};
+  return v8_sum(low + high);
+}
 
-// exp on 8 lanes: round-to-nearest range reduction by ln 2 and a degree-6 Taylor polynomial on
+template <typename V> struct LaneInts;
+template <> struct LaneInts<v8f> { using type = v8i; };
+template <> struct LaneInts<v16f> { using type = v16i; };
+
+// exp on every lane: round-to-nearest range reduction by ln 2 and a degree-6 Taylor polynomial on
 // |r| <= ln2/2 (about 1 ulp). Inputs are clamped to the finite range of float.
-inline v8f v8_exp(v8f x) {
-  const v8f lo = v8_splat(-87.3f), hi = v8_splat(88.3f);
+template <typename V>
+SPECSTAND_INLINE V vec_exp(V x) {
+  using I = typename LaneInts<V>::type;
+  const V lo = V{} + -87.3f, hi = V{} + 88.3f;
   x = x < lo ? lo : x;
   x = x > hi ? hi : x;
-  const v8f magic = v8_splat(12582912.0f);  // 1.5 * 2^23: adding it rounds to an integer
-  v8f n = (x * v8_splat(1.44269504f) + magic) - magic;
-  v8f r = x - n * v8_splat(0.693145752f);
-  r = r - n * v8_splat(1.42860677e-06f);
-  v8f p = v8_splat(1.0f / 720.0f);
-  p = p * r + v8_splat(1.0f / 120.0f);
-  p = p * r + v8_splat(1.0f / 24.0f);
-  p = p * r + v8_splat(1.0f / 6.0f);
-  p = p * r + v8_splat(0.5f);
-  p = p * r + v8_splat(1.0f);
-  p = p * r + v8_splat(1.0f);
-  v8i bits = (__builtin_convertvector(n, v8i) + 127) << 23;
-  v8f scale;
+  const V magic = V{} + 12582912.0f;  // 1.5 * 2^23: adding it rounds to an integer
+  V n = (x * 1.44269504f + magic) - magic;
+  V r = x - n * 0.693145752f;
+  r = r - n * 1.42860677e-06f;
+  V p = V{} + 1.0f / 720.0f;
+  p = p * r + 1.0f / 120.0f;
+  p = p * r + 1.0f / 24.0f;
+  p = p * r + 1.0f / 6.0f;
+  p = p * r + 0.5f;
+  p = p * r + 1.0f;
+  p = p * r + 1.0f;
+  I bits = (__builtin_convertvector(n, I) + 127) << 23;
+  V scale;
   std::memcpy(&scale, &bits, sizeof(scale));
   return p * scale;
 }

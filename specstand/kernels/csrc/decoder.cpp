@@ -5,6 +5,8 @@
 // order, so a row's logits do not depend on the other rows of the pass.
 #include <torch/extension.h>
 
+#include <chrono>
+#include <map>
 #include <vector>
 
 #include "attention.h"
@@ -19,16 +21,50 @@ static std::vector<float> to_floats(const at::Tensor& t) {
   return std::vector<float>(f.data_ptr<float>(), f.data_ptr<float>() + f.numel());
 }
 
-// RMSNorm of `rows` rows of width `dim` (a multiple of 8): x * (1 / sqrt(mean(x^2) + eps)) * weight
-static void rms_norm(const float* x, float* y, int64_t rows, int64_t dim, const float* weight, float eps) {
-  for (int64_t r = 0; r < rows; ++r) {
-    const float* xr = x + r * dim;
-    v8f squares = v8_splat(0.0f);
-    for (int64_t i = 0; i < dim; i += 8) squares = squares + v8_load(xr + i) * v8_load(xr + i);
-    const v8f inv = v8_splat(1.0f / std::sqrt(v8_sum(squares) / float(dim) + eps));
-    for (int64_t i = 0; i < dim; i += 8) v8_store(y + r * dim + i, (v8_load(xr + i) * inv) * v8_load(weight + i));
+// RMSNorm of one row of width `dim` (a multiple of 8): x * (1 / sqrt(mean(x^2) + eps)) * weight
+__attribute__((target_clones("avx2", "default"), flatten)) static void rms_norm_row(const float* x, float* y,
+                                                                                  int64_t dim, const float* weight,
+                                                                                  float eps) {
+  v8f squares = v8_splat(0.0f);
+  for (int64_t i = 0; i < dim; i += 8) squares = squares + v8_load(x + i) * v8_load(x + i);
+  const v8f inv = v8_splat(1.0f / std::sqrt(v8_sum(squares) / float(dim) + eps));
+  for (int64_t i = 0; i < dim; i += 8) v8_store(y + i, (v8_load(x + i) * inv) * v8_load(weight + i));
+}
+
+// y = silu(gate) * up for one row of the fused [gate | up] output.
+__attribute__((target_clones("avx2", "default"), flatten)) static void silu_mul_row(const float* gate_up, float* y,
+                                                                                  int64_t width) {
+  for (int64_t i = 0; i < width; i += 8) {
+    const v8f g = v8_load(gate_up + i), u = v8_load(gate_up + width + i);
+    v8_store(y + i, (g / (v8_splat(1.0f) + vec_exp(-g))) * u);
   }
 }
+
+__attribute__((target_clones("avx2", "default"), flatten)) static void add_row(float* x, const float* y,
+                                                                             int64_t width) {
+  for (int64_t i = 0; i < width; i += 8) v8_store(x + i, v8_load(x + i) + v8_load(y + i));
+}
+
+// f(r) for every row; a few rows stay on the calling thread (a pool wake-up costs more than their work).
+template <typename F>
+static void for_rows(int64_t rows, const F& f) {
+  at::parallel_for(0, rows, 8, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) f(r);
+  });
+}
+
+// Where a forward spends its time (`benchmarks/pass_cost.py --profile` prints it).
+enum Phase { kLinear, kAttention, kHead, kOther, kPhases };
+static const char* const kPhaseNames[kPhases] = {"linear", "attention", "head", "other"};
+
+struct PhaseClock {
+  std::chrono::steady_clock::time_point last = std::chrono::steady_clock::now();
+  void lap(double* seconds, Phase phase) {
+    const auto now = std::chrono::steady_clock::now();
+    seconds[phase] += std::chrono::duration<double>(now - last).count();
+    last = now;
+  }
+};
 
 struct DecoderLayer {
   PackedLinear qkv, o_proj, gate_up, down;
@@ -75,12 +111,14 @@ class Decoder {
   }
 
   // tokens, slots, positions: [rows] int64. keys/values: [layers, slots, kv heads, capacity, head_dim] fp32,
-  // written at (slot, position) of every row. Returns fp32 logits [rows, vocab] (empty if !logits) and the
-  // hidden states of tap_layers (0: embedding, i: output of layer i, num_layers: final normed state).
+  // written at (slot, position) of every row. Returns fp32 logits [len(logit_rows), vocab] of the rows
+  // listed in logit_rows, and the hidden states of tap_layers (0: embedding, i: output of layer i,
+  // num_layers: final normed state) of every row.
   std::tuple<at::Tensor, std::vector<at::Tensor>> forward(const at::Tensor& tokens, const at::Tensor& slots,
                                                            const at::Tensor& positions, at::Tensor& keys,
                                                            at::Tensor& values, const std::vector<int64_t>& tap_layers,
-                                                           bool logits) {
+                                                           const std::vector<int64_t>& logit_rows) {
+    PhaseClock clock;
     const int64_t rows = tokens.size(0), layers = int64_t(layers_.size());
     TORCH_CHECK(lm_head_.n > 0, "set_head was not called");
     TORCH_CHECK(slots.size(0) == rows && positions.size(0) == rows, "tokens, slots and positions differ in length");
@@ -100,6 +138,7 @@ class Decoder {
       TORCH_CHECK(0 <= pos_p[r] && pos_p[r] < capacity && pos_p[r] < rope_.size(0), "position ", pos_p[r],
                   " is past the cache");
     }
+    for (int64_t r : logit_rows) TORCH_CHECK(0 <= r && r < rows, "logit row ", r, " is not a row of the pass");
     const int64_t H = hidden_, D = head_dim_, q_size = heads_ * D, kv_size = kv_heads_ * D;
     const int64_t qkv_width = q_size + 2 * kv_size, I = intermediate_;
     std::vector<float> h(rows * H), xn(rows * H), qkv(rows * qkv_width), attn(rows * q_size), tmp(rows * H),
@@ -116,19 +155,24 @@ class Decoder {
     tap(0, h);
     const float scale = 1.0f / std::sqrt(float(D));
     const float* rope = rope_.data_ptr<float>();
+    clock.lap(seconds_, kOther);
     for (int64_t l = 0; l < layers; ++l) {
       const DecoderLayer& layer = layers_[l];
-      rms_norm(h.data(), xn.data(), rows, H, layer.input_norm.data(), eps_);
+      for_rows(rows, [&](int64_t r) { rms_norm_row(&h[r * H], &xn[r * H], H, layer.input_norm.data(), eps_); });
+      clock.lap(seconds_, kOther);
       linear(layer.qkv, xn.data(), rows, H, qkv.data(), qkv_width);
+      clock.lap(seconds_, kLinear);
       float* layer_keys = keys.data_ptr<float>() + l * num_slots * kv_heads_ * capacity * D;
       float* layer_values = values.data_ptr<float>() + l * num_slots * kv_heads_ * capacity * D;
-      for (int64_t r = 0; r < rows; ++r) {
+      for_rows(rows, [&](int64_t r) {
         float* row = qkv.data() + r * qkv_width;
         if (!layer.qkv_bias.empty())
           for (int64_t i = 0; i < qkv_width; ++i) row[i] += layer.qkv_bias[i];
         if (!layer.q_norm.empty()) {
-          rms_norm(row, row, heads_, D, layer.q_norm.data(), eps_);
-          rms_norm(row + q_size, row + q_size, kv_heads_, D, layer.k_norm.data(), eps_);
+          for (int64_t head = 0; head < heads_; ++head)
+            rms_norm_row(row + head * D, row + head * D, D, layer.q_norm.data(), eps_);
+          for (int64_t head = 0; head < kv_heads_; ++head)
+            rms_norm_row(row + q_size + head * D, row + q_size + head * D, D, layer.k_norm.data(), eps_);
         }
         const float* angle = rope + pos_p[r] * D;  // D / 2 (cos, sin) pairs
         for (int64_t head = 0; head < heads_ + kv_heads_; ++head)
@@ -143,32 +187,49 @@ class Decoder {
           std::memcpy(layer_keys + at, row + q_size + kv * D, D * sizeof(float));
           std::memcpy(layer_values + at, row + q_size + kv_size + kv * D, D * sizeof(float));
         }
-      }
+      });
+      clock.lap(seconds_, kOther);
       // every row's K/V is in the cache before any row attends: a verify row sees the draft rows before it
       const CacheView cache{layer_keys, layer_values, num_slots, kv_heads_, capacity, D};
-      decode_attention(qkv.data(), qkv_width, attn.data(), rows, heads_, slot_p, pos_p, cache, scale);
+      decode_attention(isa_, qkv.data(), qkv_width, attn.data(), rows, heads_, slot_p, pos_p, cache, scale);
+      clock.lap(seconds_, kAttention);
       linear(layer.o_proj, attn.data(), rows, q_size, tmp.data(), H);
-      for (int64_t i = 0; i < rows * H; ++i) h[i] += tmp[i];
-
-      rms_norm(h.data(), xn.data(), rows, H, layer.post_attention_norm.data(), eps_);
+      clock.lap(seconds_, kLinear);
+      for_rows(rows, [&](int64_t r) {
+        add_row(&h[r * H], &tmp[r * H], H);
+        rms_norm_row(&h[r * H], &xn[r * H], H, layer.post_attention_norm.data(), eps_);
+      });
+      clock.lap(seconds_, kOther);
       linear(layer.gate_up, xn.data(), rows, H, gu.data(), 2 * I);
-      for (int64_t r = 0; r < rows; ++r)
-        for (int64_t i = 0; i < I; i += 8) {
-          const v8f g = v8_load(&gu[r * 2 * I + i]), u = v8_load(&gu[r * 2 * I + I + i]);
-          v8_store(&act[r * I + i], (g / (v8_splat(1.0f) + v8_exp(-g))) * u);  // silu(gate) * up
-        }
+      clock.lap(seconds_, kLinear);
+      for_rows(rows, [&](int64_t r) { silu_mul_row(&gu[r * 2 * I], &act[r * I], I); });
+      clock.lap(seconds_, kOther);
       linear(layer.down, act.data(), rows, I, tmp.data(), H);
-      for (int64_t i = 0; i < rows * H; ++i) h[i] += tmp[i];
+      clock.lap(seconds_, kLinear);
+      for_rows(rows, [&](int64_t r) { add_row(&h[r * H], &tmp[r * H], H); });
       if (l + 1 != layers) tap(l + 1, h);
+      clock.lap(seconds_, kOther);
     }
-    rms_norm(h.data(), xn.data(), rows, H, final_norm_.data(), eps_);
+    for_rows(rows, [&](int64_t r) { rms_norm_row(&h[r * H], &xn[r * H], H, final_norm_.data(), eps_); });
     tap(layers, xn);
-    at::Tensor out;
-    if (logits) {
-      out = at::empty({rows, lm_head_.n}, at::kFloat);
-      linear(lm_head_, xn.data(), rows, H, out.data_ptr<float>(), lm_head_.n);
-    }
+    const int64_t out_rows = int64_t(logit_rows.size());
+    std::vector<float> head_in(out_rows * H);
+    for (int64_t i = 0; i < out_rows; ++i) std::memcpy(&head_in[i * H], &xn[logit_rows[i] * H], H * sizeof(float));
+    at::Tensor out = at::empty({out_rows, lm_head_.n}, at::kFloat);
+    clock.lap(seconds_, kOther);
+    linear(lm_head_, head_in.data(), out_rows, H, out.data_ptr<float>(), lm_head_.n);
+    clock.lap(seconds_, kHead);
     return {out, taps};
+  }
+
+  // Seconds per phase (linear, attention, head, other) since the last call; then starts afresh.
+  std::map<std::string, double> take_profile() {
+    std::map<std::string, double> taken;
+    for (int phase = 0; phase < kPhases; ++phase) {
+      taken[kPhaseNames[phase]] = seconds_[phase];
+      seconds_[phase] = 0.0;
+    }
+    return taken;
   }
 
   std::string isa() const { return isa_name(isa_); }
@@ -178,6 +239,7 @@ class Decoder {
   float eps_;
   Isa isa_;
   std::vector<DecoderLayer> layers_;
+  double seconds_[kPhases] = {};
   at::Tensor embed_, rope_;
   std::vector<float> final_norm_;
   PackedLinear lm_head_;
@@ -235,5 +297,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("add_layer", &specstand::Decoder::add_layer)
       .def("set_head", &specstand::Decoder::set_head)
       .def("forward", &specstand::Decoder::forward)
+      .def("take_profile", &specstand::Decoder::take_profile)
       .def_property_readonly("isa", &specstand::Decoder::isa);
 }

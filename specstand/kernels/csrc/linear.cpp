@@ -7,7 +7,8 @@
 //   avx512bf16: vdpbf16ps, activations rounded to bf16 (RNE), fp32 accumulation (DAZ/FTZ in hardware).
 //   avx2:       bf16 weights widened to fp32 in registers, fp32 activations, one FMA per k.
 //   amx:        tdpbf16ps on 16-row tiles (fewer rows are zero-padded to 16, so a row always meets the same
-//               instruction sequence), activations rounded to bf16, weights padded to 32 k.
+//               instruction sequence), activations rounded to bf16, weights padded to 32 k; the row blocks
+//               of a call reuse each strip group from L2 after the first streamed it.
 //   scalar:     the same sums in plain C++ (one fmaf per k), for CPUs with neither.
 #include "linear.h"
 
@@ -144,12 +145,33 @@ static void run_rows(int64_t rows, Tile tile) {
   tail_rows<Max - 1>(r, rows - r, tile);
 }
 
+// Activations rounded to bf16 (RNE) into rows of k_pad, zero-padded: elementwise, so row-independent.
+// vcvtneps2bf16 where the CPU has it (it flushes denormals, which the bf16 dot products ignore anyway).
+__attribute__((target("avx512f,avx512bw,avx512bf16"))) static void round_row_avx512bf16(const float* x, uint16_t* y,
+                                                                                       int64_t k) {
+  int64_t i = 0;
+  for (; i + 16 <= k; i += 16)
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(y + i), (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(x + i)));
+  for (; i < k; ++i) y[i] = float_to_bf16(x[i]);
+}
+
+static void round_rows_to_bf16(const float* x, int64_t m, int64_t k, int64_t x_stride, uint16_t* xb, int64_t k_pad) {
+  static const bool vector = cpu_has(Isa::avx512bf16);
+  at::parallel_for(0, m, 8, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      if (vector) {
+        round_row_avx512bf16(x + r * x_stride, xb + r * k_pad, k);
+      } else {
+        for (int64_t kk = 0; kk < k; ++kk) xb[r * k_pad + kk] = float_to_bf16(x[r * x_stride + kk]);
+      }
+    }
+  });
+}
+
 static void linear_avx512bf16(const PackedLinear& w, const float* x, int64_t m, int64_t x_stride, float* y,
                               int64_t y_stride) {
-  // activations rounded to bf16 once, zero-padded to k_pad: elementwise, so row-independent
   std::vector<uint16_t> xb(m * w.k_pad, 0);
-  for (int64_t r = 0; r < m; ++r)
-    for (int64_t kk = 0; kk < w.k; ++kk) xb[r * w.k_pad + kk] = float_to_bf16(x[r * x_stride + kk]);
+  round_rows_to_bf16(x, m, w.k, x_stride, xb.data(), w.k_pad);
   constexpr int NB = 4;
   const int64_t strips = w.n_pad / 16, groups = (strips + NB - 1) / NB;
   at::parallel_for(0, groups, 1, [&](int64_t g0, int64_t g1) {
@@ -219,6 +241,7 @@ __attribute__((target("amx-tile,amx-bf16,avx512f"))) static void configure_tiles
   _tile_loadconfig(&config);
 }
 
+// One 16-row block x NB strips: NB accumulator tiles, one activation tile, weight tiles streamed.
 template <int NB>
 __attribute__((target("amx-tile,amx-bf16,avx512f"))) static void tile_amx(const PackedLinear& w, int64_t s0,
                                                                           const uint16_t* xb, int64_t xs,
@@ -256,8 +279,7 @@ static void linear_amx(const PackedLinear& w, const float* x, int64_t m, int64_t
                        int64_t y_stride) {
   const int64_t blocks = (m + 15) / 16;
   std::vector<uint16_t> xb(blocks * 16 * w.k_pad, 0);  // zero rows pad the last block to 16
-  for (int64_t r = 0; r < m; ++r)
-    for (int64_t kk = 0; kk < w.k; ++kk) xb[r * w.k_pad + kk] = float_to_bf16(x[r * x_stride + kk]);
+  round_rows_to_bf16(x, m, w.k, x_stride, xb.data(), w.k_pad);
   constexpr int NB = 4;
   const int64_t strips = w.n_pad / 16, groups = (strips + NB - 1) / NB;
   at::parallel_for(0, groups, 1, [&](int64_t g0, int64_t g1) {

@@ -1,7 +1,7 @@
 // Decode/verify attention in fp32, two paths side by side: AVX-512 (FMA, 16 keys a step) where the linear
 // path is avx512bf16 or amx, and portable 8-lane vectors (common.h) elsewhere. Every sum has a fixed order
 // that depends on the row's own cache length only, so a row computes the same bits alone or beside other
-// rows; one task is one (row, kv head).
+// rows. Tasks group a request's rows per kv head, so its cache is read from memory about once a pass.
 #include "attention.h"
 
 #include <ATen/Parallel.h>
@@ -169,27 +169,55 @@ static bool use_avx512(Isa isa, int64_t head_dim, int64_t group) {
   return (isa == Isa::avx512bf16 || isa == Isa::amx) && dims && group <= 64;
 }
 
+// One task: rows [first, last) of one request (contiguous in the pass, one slot) against kv head `kv`.
+// A task's rows read the same keys and values, so after its first row they come from L2, not memory.
+struct AttentionTask {
+  int64_t first, last, kv;
+};
+
+static std::vector<AttentionTask> plan_tasks(int64_t rows, const int64_t* slots, int64_t kv_heads) {
+  std::vector<std::pair<int64_t, int64_t>> runs;  // [first, last) rows of one slot
+  for (int64_t r = 0; r < rows; ++r) {
+    if (runs.empty() || slots[r] != slots[runs.back().first]) runs.emplace_back(r, r);
+    runs.back().second = r + 1;
+  }
+  // split runs into chunks until there are a few tasks per thread (which rows share a task never changes
+  // a row's arithmetic, only where its keys come from)
+  const int64_t wanted = 4 * at::get_num_threads(), base = int64_t(runs.size()) * kv_heads;
+  const int64_t splits = std::max<int64_t>(1, (wanted + base - 1) / base);
+  std::vector<AttentionTask> tasks;
+  for (const auto& [first, last] : runs) {
+    const int64_t chunk = std::max<int64_t>(1, (last - first + splits - 1) / splits);
+    for (int64_t kv = 0; kv < kv_heads; ++kv)
+      for (int64_t r = first; r < last; r += chunk) tasks.push_back({r, std::min(last, r + chunk), kv});
+  }
+  return tasks;
+}
+
 void decode_attention(Isa isa, const float* q, int64_t q_stride, float* out, int64_t rows, int64_t heads,
                       const int64_t* slots, const int64_t* positions, const CacheView& cache, float scale) {
   const int64_t group = heads / cache.kv_heads, dim = cache.head_dim, width = heads * dim;
   const bool wide = use_avx512(isa, dim, group);
-  at::parallel_for(0, rows * cache.kv_heads, 1, [&](int64_t begin, int64_t end) {
+  const std::vector<AttentionTask> tasks = plan_tasks(rows, slots, cache.kv_heads);
+  at::parallel_for(0, int64_t(tasks.size()), 1, [&](int64_t begin, int64_t end) {
     std::vector<float> scores, acc;
-    for (int64_t task = begin; task < end; ++task) {
-      const int64_t r = task / cache.kv_heads, kv = task % cache.kv_heads;
-      const int64_t head0 = kv * group * dim, length = positions[r] + 1;
-      const float* qr = q + r * q_stride + head0;
-      float* o = out + r * width + head0;
-      if (!wide) {
-        attend_group8(qr, o, group, slots[r], kv, length, cache, scale, scores, acc);
-        continue;
-      }
-      switch (dim) {
-        case 16: attend_group16<1>(qr, o, group, slots[r], kv, length, cache, scale, scores); break;
-        case 32: attend_group16<2>(qr, o, group, slots[r], kv, length, cache, scale, scores); break;
-        case 64: attend_group16<4>(qr, o, group, slots[r], kv, length, cache, scale, scores); break;
-        case 128: attend_group16<8>(qr, o, group, slots[r], kv, length, cache, scale, scores); break;
-        default: attend_group16<16>(qr, o, group, slots[r], kv, length, cache, scale, scores); break;
+    for (int64_t t = begin; t < end; ++t) {
+      const int64_t kv = tasks[t].kv, head0 = kv * group * dim;
+      for (int64_t r = tasks[t].first; r < tasks[t].last; ++r) {
+        const int64_t length = positions[r] + 1;
+        const float* qr = q + r * q_stride + head0;
+        float* o = out + r * width + head0;
+        if (!wide) {
+          attend_group8(qr, o, group, slots[r], kv, length, cache, scale, scores, acc);
+          continue;
+        }
+        switch (dim) {
+          case 16: attend_group16<1>(qr, o, group, slots[r], kv, length, cache, scale, scores); break;
+          case 32: attend_group16<2>(qr, o, group, slots[r], kv, length, cache, scale, scores); break;
+          case 64: attend_group16<4>(qr, o, group, slots[r], kv, length, cache, scale, scores); break;
+          case 128: attend_group16<8>(qr, o, group, slots[r], kv, length, cache, scale, scores); break;
+          default: attend_group16<16>(qr, o, group, slots[r], kv, length, cache, scale, scores); break;
+        }
       }
     }
   });

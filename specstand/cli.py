@@ -56,6 +56,9 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--max-batch", type=int, default=4, help="requests decoded together")
     serve.add_argument("--max-queue", type=int, default=64, help="requests in flight before 429")
     serve.add_argument("--served-model-name", default="")
+    serve.add_argument("--request-timeout", type=float, default=600.0, help="server-side deadline per request (s)")
+    serve.add_argument("--max-prompt-chars", type=int, default=1_000_000, help="longer prompts get a 400")
+    serve.add_argument("--max-body-bytes", type=int, default=8 * 2**20, help="larger request bodies get a 413")
 
     workload = commands.add_parser("workload", help="import public agent workloads")
     workload_cmd = workload.add_subparsers(dest="workload_command", required=True, parser_class=_Parser)
@@ -74,7 +77,9 @@ def build_parser() -> argparse.ArgumentParser:
     record.add_argument("--upstream", required=True, help="the OpenAI-compatible server the agent uses")
     record.add_argument("--host", default="127.0.0.1")
     record.add_argument("--port", type=int, default=8100)
-    record.add_argument("--out", type=Path, required=True)
+    record.add_argument("--out", type=Path, required=True, help="workload file; finished turns are appended")
+    record.add_argument("--turn-idle", type=float, default=30.0,
+                        help="a turn with no call for this many seconds is finished and written")
 
     bench = commands.add_parser("bench", help="replay a workload under load and write the report")
     bench.add_argument("--workload", type=Path, required=True)
@@ -155,6 +160,9 @@ def _model_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--drafter", type=Path, default=None, help="trained drafter folder (default: shipped one)")
     parser.add_argument("--dtype", default="bf16", choices=["bf16", "fp32"])
     parser.add_argument("--max-seq-len", type=int, default=2048, help="context (cache capacity) per request")
+    parser.add_argument("--speculative-config", default=None,
+                        help="vLLM's JSON instead of --method/--k/--drafter: method (ngram, suffix, eagle3, dflash, "
+                             "mtp), model, num_speculative_tokens, prompt_lookup_min, prompt_lookup_max")
 
 
 def read_messages(path: Path) -> list[dict]:
@@ -211,7 +219,7 @@ def cmd_generate(args: argparse.Namespace) -> None:
 
     model = load_model(args.model, args.dtype, args.max_seq_len, log=_log)
     prompt_ids = model.encode_messages(messages) if messages else model.encode_prompt(args.prompt)
-    drafter = make_drafter(args.method, model.decoder, args.model, args.drafter)
+    drafter = make_drafter(args.method, model.decoder, args.model, args.drafter, args.ngram)
     args.k = default_k(drafter, args.k)
     config = EngineConfig(num_speculative_tokens=args.k, max_seq_len=model.max_positions)
     engine = Engine(model.decoder, drafter, config)
@@ -244,7 +252,52 @@ def cmd_generate(args: argparse.Namespace) -> None:
     )
 
 
+# vLLM's speculative methods -> ours
+VLLM_METHODS = {"ngram": "ngram", "suffix": "suffix", "eagle3": "eagle3", "dflash": "dflash", "mtp": "mtp",
+                "deepseek_mtp": "mtp"}
+
+
+def _apply_speculative_config(args: argparse.Namespace) -> None:
+    """Fill --method/--k/--drafter (and the n-gram sizes) from a vLLM --speculative-config."""
+    args.ngram = None
+    if args.speculative_config is None:
+        return
+    if args.method != "none" or args.k is not None or args.drafter is not None:
+        raise CliError("give either --speculative-config or --method/--k/--drafter, not both")
+    try:
+        config = json.loads(args.speculative_config)
+    except json.JSONDecodeError as error:
+        raise CliError(f"--speculative-config is not valid JSON: {error}") from None
+    if not isinstance(config, dict):
+        raise CliError("--speculative-config must be a JSON object")
+    known = {"method", "model", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max"}
+    unknown = sorted(set(config) - known)
+    if unknown:
+        raise CliError(f"--speculative-config: {', '.join(unknown)} not supported (known: {', '.join(sorted(known))})")
+    method = config.get("method")
+    if method not in VLLM_METHODS:
+        raise CliError(f"--speculative-config: method {method!r} is not one of {', '.join(VLLM_METHODS)}")
+    args.method = VLLM_METHODS[method]
+    k = config.get("num_speculative_tokens")
+    if k is not None and (not isinstance(k, int) or isinstance(k, bool)):
+        raise CliError("--speculative-config: num_speculative_tokens must be an integer")
+    args.k = k
+    if config.get("model") is not None:
+        args.drafter = Path(str(config["model"]))
+    if "prompt_lookup_min" in config or "prompt_lookup_max" in config:
+        if args.method != "ngram":
+            raise CliError("--speculative-config: prompt_lookup_min/max belong to method ngram")
+        from specstand.drafters import NgramConfig
+
+        low, high = config.get("prompt_lookup_min", 1), config.get("prompt_lookup_max", 5)
+        try:
+            args.ngram = NgramConfig(int(low), int(high))
+        except (TypeError, ValueError) as error:
+            raise CliError(f"--speculative-config: {error}") from None
+
+
 def _check_model_args(args: argparse.Namespace) -> None:
+    _apply_speculative_config(args)
     if args.method not in METHODS:
         raise CliError(f"unknown method {args.method!r} (choose from {', '.join(METHODS)})")
     if args.k is not None and args.k < 0:
@@ -257,14 +310,17 @@ def cmd_serve(args: argparse.Namespace) -> None:
     import uvicorn
 
     from specstand.models import load_model
-    from specstand.server import ServerConfig, build_server
+    from specstand.server import ServerConfig, ServerLimits, build_server
 
     _check_model_args(args)
     if args.max_batch < 1 or args.max_queue < 1:
         raise CliError("--max-batch and --max-queue must be >= 1")
     model = load_model(args.model, args.dtype, args.max_seq_len, log=_log)
+    if args.request_timeout <= 0 or args.max_prompt_chars <= 0 or args.max_body_bytes <= 0:
+        raise CliError("--request-timeout, --max-prompt-chars and --max-body-bytes must be > 0")
+    limits = ServerLimits(args.max_body_bytes, args.max_prompt_chars, args.request_timeout)
     config = ServerConfig(args.method, args.k, args.max_batch, args.max_queue, args.served_model_name,
-                          args.model, args.drafter)
+                          args.model, args.drafter, args.ngram, limits)
     app, worker = build_server(model, config)
     _log(f"serving {args.model} with method {args.method} (K={worker.engine.config.num_speculative_tokens}) "
          f"on http://{args.host}:{args.port}")
@@ -305,7 +361,10 @@ def cmd_record(args: argparse.Namespace) -> None:
     if not args.upstream.startswith("http"):
         raise CliError(f"--upstream must be an http(s) URL, not {args.upstream!r}")
     _log(f"recording calls to {args.upstream} via http://{args.host}:{args.port} into {args.out}")
-    uvicorn.run(create_recorder(args.upstream, args.out), host=args.host, port=args.port, log_level="warning")
+    if args.turn_idle <= 0:
+        raise CliError("--turn-idle must be > 0")
+    uvicorn.run(create_recorder(args.upstream, args.out, args.turn_idle), host=args.host, port=args.port,
+                log_level="warning")
 
 
 def _parse_users(text: str) -> list[int]:
@@ -401,7 +460,11 @@ def cmd_train(args: argparse.Namespace) -> None:
     from specstand.training.features import TargetFeatures
     from specstand.training.trainer import TrainConfig, tap_layers_for, train
 
-    methods = [m for m in args.method.split(",") if m]
+    methods = [m.strip() for m in args.method.split(",") if m.strip()]
+    if not methods:
+        raise CliError("--method names no method (e.g. --method dflash or --method dflash,eagle3)")
+    if len(set(methods)) != len(methods):
+        raise CliError(f"--method names a method twice: {args.method}")
     configs = [TrainConfig(
         method=method, data=str(args.data), out=str(args.out / method if len(methods) > 1 else args.out),
         steps=args.steps, lr=args.lr, pack_tokens=args.pack_tokens, save_every=args.save_every, seed=args.seed,

@@ -26,8 +26,9 @@ class OpenAIEndpoint:
         model = await self.resolve_model()
         body = {"model": model, "max_tokens": call.max_tokens, "temperature": 0}
         if call.messages is not None:
-            reply = await self.client.post(f"{self.base_url}/v1/chat/completions", json={**body,
-                                                                                         "messages": call.messages})
+            chat = {**body, "messages": call.messages}
+            chat.update({k: v for k, v in (("tools", call.tools), ("tool_choice", call.tool_choice)) if v is not None})
+            reply = await self.client.post(f"{self.base_url}/v1/chat/completions", json=chat)
         else:
             reply = await self.client.post(f"{self.base_url}/v1/completions", json={**body, "prompt": call.prompt})
         if reply.status_code != 200:

@@ -24,11 +24,13 @@ METHODS = ("none", *DRAFTERS, *TRAINED)
 
 
 def make_drafter(method: str, target: DecoderModel | None = None, target_name: str = "",
-                 drafter_path: Path | None = None) -> Drafter | None:
+                 drafter_path: Path | None = None, ngram: NgramConfig | None = None) -> Drafter | None:
     """The drafter of `method`. Trained methods load `drafter_path`, or the drafter shipped for the preset
-    `target_name`, around the target's embedding and head."""
+    `target_name`, around the target's embedding and head; `ngram` sets the n-gram drafter's sizes."""
     if method == "none":
         return None
+    if method == "ngram":
+        return NgramDrafter(ngram)
     if method in DRAFTERS:
         return DRAFTERS[method]()
     if method not in TRAINED:

@@ -79,7 +79,10 @@ def _open(folder: Path):
     path = Path(folder) / WEIGHTS
     if not path.is_file():
         raise DrafterLoadError(f"{folder} holds no trained drafter ({WEIGHTS} missing)")
-    return safe_open(str(path), framework="pt")
+    try:
+        return safe_open(str(path), framework="pt")
+    except Exception as error:  # noqa: BLE001 - safetensors raises its own error types
+        raise DrafterLoadError(f"{path} is not a readable safetensors file ({error})") from None
 
 
 def _spec(f, folder: Path) -> DrafterSpec:
@@ -88,7 +91,10 @@ def _spec(f, folder: Path) -> DrafterSpec:
         raise DrafterLoadError(
             f"{Path(folder) / WEIGHTS} carries no specstand drafter spec (import other formats first)"
         )
-    return DrafterSpec.from_json(metadata["spec"])
+    try:
+        return DrafterSpec.from_json(metadata["spec"])
+    except (ValueError, TypeError) as error:
+        raise DrafterLoadError(f"{Path(folder) / WEIGHTS} carries a broken drafter spec ({error})") from None
 
 
 def read_spec(folder: Path) -> DrafterSpec:

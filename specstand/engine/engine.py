@@ -8,6 +8,7 @@ is the first row of its next pass.
 
 from __future__ import annotations
 
+import contextlib
 import random
 from collections import deque
 from dataclasses import dataclass
@@ -130,31 +131,70 @@ class Engine:
         return [results[i] for i in ids]
 
     def step(self) -> list[StepEvent]:
+        """Admit what fits, then advance every running request by one shared target pass. A failure in one
+        request's admission, draft, pass, verification or emission finishes that request alone with
+        finish_reason "error" (its slot freed); the others go on."""
         events = self._admit()
-        running = list(self._running.items())
-        if not running:
-            return events
-        drafts = [self._propose(state) for _, state in running]
-        rows = max(1 + len(d.tokens) for d in drafts)
-        width = -(-rows // self.row_unit) * self.row_unit  # row_unit is 1 or >= self.width
-        outputs = self.runner.run(
-            [PassInput(s.slot, [s.seq.token_ids[-1], *d.tokens]) for (_, s), d in zip(running, drafts, strict=True)],
-            width,
-            self.tap_layers,
-        )
-        for (request_id, state), draft, output in zip(running, drafts, outputs, strict=True):
-            verdict = self._verify(state, draft, output.logits)
-            cache_start = len(state.seq.token_ids) - 1
-            self.runner.cache.rollback(state.slot, cache_start + 1 + verdict.accepted)  # pending + accepted
-            hidden = HiddenRows(cache_start, {k: t[: verdict.accepted + 1] for k, t in output.taps.items()})
-            events.append(self._emit(request_id, state, verdict, len(draft.tokens), hidden))
+        proposed = []
+        for request_id, state in list(self._running.items()):
+            try:
+                proposed.append((request_id, state, self._propose(state)))
+            except Exception as error:  # noqa: BLE001 - the drafter failed this request only
+                events.append(self._fail(request_id, state, error))
+        for (request_id, state, draft), output in self._pass(proposed, events):
+            try:
+                verdict = self._verify(state, draft, output.logits)
+                cache_start = len(state.seq.token_ids) - 1
+                self.runner.cache.rollback(state.slot, cache_start + 1 + verdict.accepted)  # pending + accepted
+                hidden = HiddenRows(cache_start, {k: t[: verdict.accepted + 1] for k, t in output.taps.items()})
+                events.append(self._emit(request_id, state, verdict, len(draft.tokens), hidden))
+            except Exception as error:  # noqa: BLE001
+                events.append(self._fail(request_id, state, error))
         return events
+
+    def _pass(self, proposed: list, events: list[StepEvent]) -> list:
+        """One target pass over every proposed (request, state, draft): [(item, output)]. If it raises,
+        each request gets a pass of its own (a row computes the same either way), so that a request whose
+        rows cannot be computed fails alone (its event appended to `events`)."""
+        if not proposed:
+            return []
+        try:
+            return list(zip(proposed, self._run(proposed), strict=True))
+        except Exception as error:  # noqa: BLE001
+            if len(proposed) == 1:
+                events.append(self._fail(proposed[0][0], proposed[0][1], error))
+                return []
+        done = []
+        for item in proposed:
+            try:
+                done.append((item, self._run([item])[0]))
+            except Exception as error:  # noqa: BLE001
+                events.append(self._fail(item[0], item[1], error))
+        return done
+
+    def _run(self, proposed: list) -> list:
+        rows = max(1 + len(draft.tokens) for _, _, draft in proposed)
+        width = -(-rows // self.row_unit) * self.row_unit  # row_unit is 1 or >= self.width
+        inputs = [PassInput(state.slot, [state.seq.token_ids[-1], *draft.tokens]) for _, state, draft in proposed]
+        return self.runner.run(inputs, width, self.tap_layers)
+
+    def _fail(self, request_id: int, state: _Running, error: Exception) -> StepEvent:
+        """Finish one request with its error and free its slot."""
+        self._running.pop(request_id, None)
+        self.runner.cache.release(state.slot)
+        if self.drafter is not None:
+            with contextlib.suppress(Exception):  # the request has failed already; whatever it held goes
+                self.drafter.end(state.seq)
+        result = GenerationResult(request_id, list(state.request.prompt_ids), state.seq.output_ids, "error",
+                                  state.stats, f"{type(error).__name__}: {error}")
+        return StepEvent(request_id, [], result)
 
     def _admit(self) -> list[StepEvent]:
         events = []
         while self._waiting and self.runner.cache.free_slots:
             request_id, request = self._waiting.popleft()
             slot, reused, donor = self._reusable_slot(request.prompt_ids)
+            self._prompts.pop(slot, None)  # its K/V above `reused` are about to change
             seed = request.sampling.seed if request.sampling.seed is not None else random.getrandbits(63)
             state = _Running(
                 request=request,
@@ -164,13 +204,18 @@ class Engine:
                 stats=DecodeStats(cached_prompt_tokens=reused),
             )
             self._running[request_id] = state
-            if self.drafter is not None:
-                self.drafter.begin(state.seq)
-            prefill = self.runner.prefill(slot, request.prompt_ids, self.tap_layers)
-            self._prompts[slot] = list(request.prompt_ids)
-            taps = self._whole_prompt_taps(slot, donor, reused, prefill.taps)
-            verdict = self._verify(state, Draft([]), prefill.logits)
-            events.append(self._emit(request_id, state, verdict, 0, HiddenRows(0, taps)))
+            try:
+                if self.drafter is not None:
+                    self.drafter.begin(state.seq)
+                prefill = self.runner.prefill(slot, request.prompt_ids, self.tap_layers)
+                self._prompts[slot] = list(request.prompt_ids)
+                taps = self._whole_prompt_taps(slot, donor, reused, prefill.taps)
+                verdict = self._verify(state, Draft([]), prefill.logits)
+                events.append(self._emit(request_id, state, verdict, 0, HiddenRows(0, taps)))
+            except Exception as error:  # noqa: BLE001 - this prompt failed; the next may not
+                self._prompts.pop(slot, None)
+                self._prompt_taps.pop(slot, None)
+                events.append(self._fail(request_id, state, error))
         return events
 
     def _whole_prompt_taps(self, slot: int, donor: int | None, reused: int,

@@ -27,8 +27,9 @@ class GenerationResult:
     request_id: int
     prompt_ids: list[int]
     output_ids: list[int]
-    finish_reason: str  # "stop" (a stop token) or "length"
+    finish_reason: str  # "stop" (a stop token), "length", or "error" (this request alone failed: `error`)
     stats: DecodeStats
+    error: str = ""
 
 
 @dataclass

@@ -15,6 +15,7 @@ i.e. our index - 1 (the off-by-one vLLM once had to fix).
 from __future__ import annotations
 
 import json
+import math
 import os
 from dataclasses import replace
 from pathlib import Path
@@ -29,6 +30,46 @@ from specstand.models import LoadedModel
 
 SPECULATORS_VERSION = "0.3.0"
 ARCHITECTURES = {"eagle3": "Eagle3Speculator", "dflash": "DFlashSpeculator"}
+
+
+# where the presets' models are published: what a vLLM user names as the verifier
+PUBLISHED_AS = {"smollm2-135m": "HuggingFaceTB/SmolLM2-135M-Instruct",
+                "qwen2.5-coder-0.5b": "Qwen/Qwen2.5-Coder-0.5B-Instruct"}
+
+
+def portable_name(name_or_path: str) -> str:
+    """A verifier name that means the same on another machine: a preset's hub id, a hub id as it is, a
+    local folder by its last component only (an export never carries a path of this machine)."""
+    if name_or_path in PUBLISHED_AS:
+        return PUBLISHED_AS[name_or_path]
+    path = Path(name_or_path)
+    return path.name if path.is_absolute() or path.exists() else name_or_path
+
+
+def check_spec(spec: DrafterSpec, source: Path, draft_ids: torch.Tensor) -> None:
+    """Range checks of an imported config: a bad value is named here, not met later as a shape error."""
+    positive = ("hidden_size", "num_heads", "num_kv_heads", "head_dim", "intermediate_size", "num_layers",
+                "target_vocab_size", "draft_vocab_size")
+    for name in positive:
+        value = getattr(spec, name)
+        if not isinstance(value, int) or value <= 0 or value > 1 << 22:
+            raise DrafterLoadError(f"{source}: {name}={value!r} is not a sensible positive size")
+    if spec.num_heads % spec.num_kv_heads:
+        raise DrafterLoadError(f"{source}: num_heads {spec.num_heads} is not a multiple of num_kv_heads "
+                               f"{spec.num_kv_heads}")
+    if not spec.tap_layers or any(not isinstance(t, int) or not 0 <= t <= 1024 for t in spec.tap_layers):
+        raise DrafterLoadError(f"{source}: the target layers read ({spec.tap_layers}) must be layer numbers >= 0")
+    if spec.method == "dflash" and not 2 <= spec.block_size <= 64:
+        raise DrafterLoadError(f"{source}: block_size={spec.block_size} (a DFlash block has 2..64 positions)")
+    if not 0 <= spec.mask_token_id < spec.target_vocab_size:
+        raise DrafterLoadError(f"{source}: mask_token_id={spec.mask_token_id} is outside the vocabulary")
+    if not (math.isfinite(spec.rms_eps) and spec.rms_eps > 0 and math.isfinite(spec.rope_theta)
+            and spec.rope_theta > 0):
+        raise DrafterLoadError(f"{source}: rms_norm_eps and rope_theta must be positive numbers")
+    if len(draft_ids) != spec.draft_vocab_size or (len(draft_ids) and not (
+            int(draft_ids.min()) >= 0 and int(draft_ids.max()) < spec.target_vocab_size)):
+        raise DrafterLoadError(f"{source}: d2t does not map {spec.draft_vocab_size} draft ids into the target's "
+                               f"{spec.target_vocab_size}")
 
 
 def _write_atomic(folder: Path, config: dict, tensors: dict[str, torch.Tensor]) -> None:
@@ -76,13 +117,13 @@ def export_speculators(drafter: Path, target: LoadedModel, out: Path) -> None:
             "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": k, "verifier_accept_k": 1,
                                   "accept_tolerance": 0.0}],
             "default_proposal_method": "greedy",
-            # the folder the verifier was loaded from: a vLLM user may put the hub id there instead
-            "verifier": {"name_or_path": target.path, "architectures": [spec.target_architecture]},
+            "verifier": {"name_or_path": portable_name(target.name), "architectures": [spec.target_architecture]},
         },
         "transformer_layer_config": _layer_config(spec),
         "draft_vocab_size": spec.draft_vocab_size,
         "target_hidden_size": spec.hidden_size,
-        "specstand_spec": json.loads(spec.to_json()),  # what a round trip needs beyond the fields above
+        # what a round trip needs beyond the fields above
+        "specstand_spec": json.loads(replace(spec, target=portable_name(spec.target)).to_json()),
     }
     if spec.method == "eagle3":
         config |= {"norm_before_residual": False, "eagle_aux_hidden_state_layer_ids": spec.tap_layers}
@@ -139,6 +180,7 @@ def import_speculators(source: Path, out: Path, target: str | None = None) -> Dr
     if method == "dflash":
         ours.pop("lm_head.weight", None)  # ours reads the target's head rows
     draft_ids = torch.arange(spec.target_vocab_size) if offsets is None else offsets + torch.arange(len(offsets))
+    check_spec(spec, source, draft_ids)
     save_tensors(spec, {**ours, "d2t": draft_ids}, out)
     return spec
 
@@ -155,5 +197,6 @@ def import_dflash_zlab(source: Path, out: Path, target: str | None = None) -> Dr
                                    [i + 1 for i in dflash["target_layer_ids"]], config["vocab_size"],
                                    config.get("block_size", 16), dflash.get("mask_token_id", 0))
     ours = {k: v for k, v in tensors.items() if k not in ("embed_tokens.weight", "lm_head.weight")}
+    check_spec(spec, source, torch.arange(spec.target_vocab_size))
     save_tensors(spec, {**ours, "d2t": torch.arange(spec.target_vocab_size)}, out)
     return spec

@@ -30,10 +30,12 @@ class LoadedModel:
     def encode_prompt(self, prompt: str) -> list[int]:
         return self.tokenizer(prompt, add_special_tokens=True)["input_ids"]
 
-    def encode_messages(self, messages: list[dict]) -> list[int]:
+    def encode_messages(self, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
+        """Messages (OpenAI form, tool calls included) through the model's chat template; `tools` are
+        offered to the model as the template lays them out."""
         if not getattr(self.tokenizer, "chat_template", None):
             raise ModelError(f"model {self.name} has no chat template; pass a plain prompt")
-        text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        text = self.tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=True, tokenize=False)
         return self.tokenizer(text, add_special_tokens=False)["input_ids"]
 
     def decode(self, token_ids: list[int]) -> str:

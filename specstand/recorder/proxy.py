@@ -4,14 +4,24 @@ Point the agent's OpenAI base URL at the proxy. Calls are grouped into turns by 
 (or `X-Session-Id`); `X-Call-Id` names a call, `X-Parent-Call-Ids` (comma-separated) lists the calls it
 depends on, `X-Stage` labels it. Without parent headers a call depends on the calls of its turn that had
 finished before it started, which reproduces what ran in parallel. `delay_ms` is the pause between the
-end of its dependencies and its start. A retried identical request within a turn is recorded once. The
-workload file is rewritten atomically after every call, so a crash loses at most the call in flight.
+end of its dependencies and its start. A retried identical request within a turn is recorded once.
+
+The proxy is transparent: the client's end-to-end headers (Authorization included, never recorded) go
+upstream, and the upstream's status and error body come back as they were, streaming or not (502 when
+the upstream cannot be reached, 504 when it times out). A turn is written once it is finished (no call of
+it in flight for `turn_idle_s`, or the recorder stops): appended as one line by a writer thread, with
+fsync, after the workload parser has accepted it; so the event loop never waits on the disk, the cost
+does not grow with the file, and a crash loses at most the turns still open.
 """
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import json
+import os
+import queue
+import threading
 import time
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
@@ -21,7 +31,20 @@ import httpx
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from specstand.workloads import Call, Turn, save_workload
+from specstand.workloads import Call, Turn
+from specstand.workloads.format import WorkloadError, parse_turn
+
+# hop-by-hop headers (RFC 9110) and those httpx sets itself are not forwarded
+HOP_BY_HOP = {"connection", "keep-alive", "proxy-authenticate", "proxy-authorization", "te", "trailer",
+              "transfer-encoding", "upgrade", "host", "content-length", "accept-encoding"}
+
+
+def forwarded_headers(headers) -> dict[str, str]:
+    return {k: v for k, v in headers.items() if k.lower() not in HOP_BY_HOP}
+
+
+def _error(status: int, message: str, kind: str) -> JSONResponse:
+    return JSONResponse({"error": {"message": message, "type": kind, "code": status}}, status)
 
 
 @dataclass
@@ -36,20 +59,56 @@ class _TurnLog:
     turn_id: str
     calls: list[_Recorded] = field(default_factory=list)
     seen: set[str] = field(default_factory=set)
+    in_flight: int = 0
+    last_activity: float = field(default_factory=time.monotonic)
+
+
+class TurnWriter:
+    """Appends turns to the workload file from its own thread: one JSON line each, flushed and fsynced."""
+
+    def __init__(self, out: Path) -> None:
+        self.out = out
+        self._queue: queue.Queue[Turn | None] = queue.Queue()
+        self._thread = threading.Thread(target=self._run, name="specstand-recorder-writer", daemon=True)
+        self._thread.start()
+
+    def put(self, turn: Turn) -> None:
+        self._queue.put(turn)
+
+    def close(self) -> None:
+        self._queue.put(None)
+        self._thread.join()
+
+    def _run(self) -> None:
+        with open(self.out, "a", encoding="utf-8") as file:
+            while (turn := self._queue.get()) is not None:
+                file.write(turn.to_json() + "\n")
+                file.flush()
+                os.fsync(file.fileno())
 
 
 class Recording:
-    def __init__(self, out: Path) -> None:
-        self.out = out
+    def __init__(self, writer: TurnWriter, turn_idle_s: float) -> None:
+        self.writer = writer
+        self.turn_idle_s = turn_idle_s
         self.turns: dict[str, _TurnLog] = {}
+        self._written = _turn_ids(writer.out)  # turn id -> how many parts of it the file holds
         self._anonymous = 0
+        self._run = time.strftime("%Y%m%d-%H%M%S")  # anonymous turns of different runs get different ids
 
     def turn_for(self, headers) -> _TurnLog:
         turn_id = headers.get("x-turn-id") or headers.get("x-session-id")
         if not turn_id:
             self._anonymous += 1
-            turn_id = f"turn-{self._anonymous}"
-        return self.turns.setdefault(turn_id, _TurnLog(turn_id))
+            turn_id = f"turn-{self._run}-{self._anonymous}"
+        turn = self.turns.setdefault(turn_id, _TurnLog(turn_id))
+        turn.in_flight += 1
+        turn.last_activity = time.monotonic()
+        return turn
+
+    def done(self, turn: _TurnLog) -> None:
+        turn.in_flight -= 1
+        turn.last_activity = time.monotonic()
 
     def add(self, turn: _TurnLog, body: dict, headers, start: float, end: float, answer: str) -> None:
         key = hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()
@@ -57,9 +116,12 @@ class Recording:
             return  # a retry of an identical request
         turn.seen.add(key)
         call_id = headers.get("x-call-id") or f"call{len(turn.calls)}"
+        if any(r.call.id == call_id for r in turn.calls):
+            call_id = f"{call_id}-{len(turn.calls)}"
         parents = headers.get("x-parent-call-ids")
+        known = {r.call.id for r in turn.calls}
         if parents is not None:
-            depends_on = [p.strip() for p in parents.split(",") if p.strip()]
+            depends_on = [p.strip() for p in parents.split(",") if p.strip() in known]
         else:
             depends_on = [r.call.id for r in turn.calls if r.end <= start]
         ends = [r.end for r in turn.calls if r.call.id in depends_on]
@@ -76,29 +138,68 @@ class Recording:
             max_tokens=int(body.get("max_tokens") or body.get("max_completion_tokens") or 256),
             expect_json=fmt.get("type") in ("json_object", "json_schema"),
             json_schema=schema,
+            tools=body.get("tools"),
+            tool_choice=body.get("tool_choice"),
             recorded={"answer": answer, "latency_ms": round((end - start) * 1000, 1)},
         )
         turn.calls.append(_Recorded(call, start, end))
-        save_workload([Turn(t.turn_id, [r.call for r in t.calls], "recorded") for t in self.turns.values()
-                       if t.calls], self.out)
+
+    def flush(self, everything: bool = False) -> None:
+        """Hand finished turns (idle for turn_idle_s; all of them if `everything`) to the writer."""
+        now = time.monotonic()
+        for turn_id, turn in list(self.turns.items()):
+            if turn.in_flight and not everything:
+                continue
+            if not everything and now - turn.last_activity < self.turn_idle_s:
+                continue
+            del self.turns[turn_id]
+            if turn.calls:
+                self._write(turn)
+
+    def _write(self, log: _TurnLog) -> None:
+        part = self._written.get(log.turn_id, 0)
+        self._written[log.turn_id] = part + 1
+        turn_id = log.turn_id if part == 0 else f"{log.turn_id}#{part + 1}"  # calls after it was written
+        turn = Turn(turn_id, [r.call for r in log.calls], "recorded")
+        try:
+            parse_turn(json.loads(turn.to_json()), f"recorded turn {turn_id}")
+        except WorkloadError as error:  # never write what `bench` would refuse to load
+            print(f"specstand record: turn {turn_id} not written: {error}", flush=True)
+            return
+        self.writer.put(turn)
 
 
-def create_recorder(upstream: str, out: Path) -> FastAPI:
-    client = httpx.AsyncClient(base_url=upstream.rstrip("/"), timeout=600)
+def create_recorder(upstream: str, out: Path, turn_idle_s: float = 30.0, timeout_s: float = 600.0) -> FastAPI:
+    client = httpx.AsyncClient(base_url=upstream.rstrip("/"), timeout=timeout_s)
+    writer = TurnWriter(out)
+    recording = Recording(writer, turn_idle_s)
+
+    async def flush_idle_turns() -> None:
+        while True:
+            await asyncio.sleep(min(1.0, turn_idle_s / 2))
+            recording.flush()
 
     @asynccontextmanager
     async def lifespan(_: FastAPI):
+        flusher = asyncio.create_task(flush_idle_turns())
         yield
+        flusher.cancel()
+        recording.flush(everything=True)
+        writer.close()
         await client.aclose()
 
     app = FastAPI(title="specstand recorder", docs_url=None, redoc_url=None, lifespan=lifespan)
-    recording = Recording(out)
     app.state.recording = recording
 
     @app.get("/v1/models")
-    async def models() -> Response:
-        reply = await client.get("/v1/models")
-        return Response(reply.content, reply.status_code, media_type="application/json")
+    async def models(request: Request) -> Response:
+        try:
+            reply = await client.get("/v1/models", headers=forwarded_headers(request.headers))
+        except httpx.TimeoutException:
+            return _error(504, f"upstream {upstream} timed out", "upstream_timeout")
+        except httpx.HTTPError as error:
+            return _error(502, f"upstream {upstream} unreachable: {type(error).__name__}", "upstream_error")
+        return Response(reply.content, reply.status_code, media_type=reply.headers.get("content-type"))
 
     @app.post("/v1/chat/completions")
     async def chat(request: Request) -> Response:
@@ -111,29 +212,93 @@ def create_recorder(upstream: str, out: Path) -> FastAPI:
     async def _forward(request: Request, path: str, chat: bool) -> Response:
         try:
             body = json.loads(await request.body())
-        except json.JSONDecodeError:
-            return JSONResponse({"error": {"message": "body is not valid JSON", "type": "invalid_request_error",
-                                           "code": 400}}, 400)
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            return _error(400, "body is not valid JSON", "invalid_request_error")
+        if not isinstance(body, dict):
+            return _error(400, "body must be a JSON object", "invalid_request_error")
+        headers = forwarded_headers(request.headers)
         turn = recording.turn_for(request.headers)
         start = time.time()
         if body.get("stream"):
-            return StreamingResponse(_stream(body, path, chat, turn, request.headers, start),
-                                     media_type="text/event-stream")
-        reply = await client.post(path, json=body)
-        if reply.status_code == 200:
-            choice = reply.json()["choices"][0]
-            answer = choice["message"]["content"] if chat else choice["text"]
-            recording.add(turn, body, request.headers, start, time.time(), answer or "")
-        return Response(reply.content, reply.status_code, media_type="application/json")
+            return await _stream(body, path, chat, turn, request.headers, headers, start)
+        try:
+            reply = await client.post(path, json=body, headers=headers)
+        except httpx.TimeoutException:
+            recording.done(turn)
+            return _error(504, f"upstream {upstream} timed out", "upstream_timeout")
+        except httpx.HTTPError as error:
+            recording.done(turn)
+            return _error(502, f"upstream {upstream} unreachable: {type(error).__name__}", "upstream_error")
+        try:
+            if reply.status_code == 200:
+                choice = reply.json()["choices"][0]
+                answer = choice["message"].get("content") if chat else choice["text"]
+                recording.add(turn, body, request.headers, start, time.time(), answer or "")
+        except (ValueError, KeyError, IndexError, TypeError, AttributeError):
+            pass  # relayed as it came; an answer we cannot read is not recorded
+        finally:
+            recording.done(turn)
+        return Response(reply.content, reply.status_code, media_type=reply.headers.get("content-type"))
 
-    async def _stream(body: dict, path: str, chat: bool, turn: _TurnLog, headers, start: float):
-        parts: list[str] = []
-        async with client.stream("POST", path, json=body) as reply:
-            async for line in reply.aiter_lines():
-                if line.startswith("data: ") and line != "data: [DONE]":
-                    choice = (json.loads(line[6:]).get("choices") or [{}])[0]
-                    parts.append((choice.get("delta") or {}).get("content") or "" if chat else choice.get("text", ""))
-                yield line + "\n"
-        recording.add(turn, body, headers, start, time.time(), "".join(parts))
+    async def _stream(body: dict, path: str, chat: bool, turn: _TurnLog, incoming, headers: dict,
+                      start: float) -> Response:
+        request = client.build_request("POST", path, json=body, headers=headers)
+        try:
+            reply = await client.send(request, stream=True)
+        except httpx.TimeoutException:
+            recording.done(turn)
+            return _error(504, f"upstream {upstream} timed out", "upstream_timeout")
+        except httpx.HTTPError as error:
+            recording.done(turn)
+            return _error(502, f"upstream {upstream} unreachable: {type(error).__name__}", "upstream_error")
+        if reply.status_code != 200:  # an error is relayed with its own status, not as a 200 stream
+            content = await reply.aread()
+            await reply.aclose()
+            recording.done(turn)
+            return Response(content, reply.status_code, media_type=reply.headers.get("content-type"))
+
+        async def relay():
+            parts: list[str] = []
+            complete = False
+            try:
+                async for line in reply.aiter_lines():
+                    if line == "data: [DONE]":
+                        complete = True
+                    elif line.startswith("data: "):
+                        parts.append(_delta_text(line[6:], chat))
+                    yield line + "\n"
+            finally:
+                await reply.aclose()
+                if complete:
+                    recording.add(turn, body, incoming, start, time.time(), "".join(parts))
+                recording.done(turn)
+
+        return StreamingResponse(relay(), media_type=reply.headers.get("content-type", "text/event-stream"))
 
     return app
+
+
+def _turn_ids(path: Path) -> dict[str, int]:
+    """Turn ids already in the file (recording again appends): a turn id seen again gets a suffix."""
+    ids: dict[str, int] = {}
+    try:
+        lines = path.read_text(encoding="utf-8").splitlines()
+    except OSError:
+        return ids
+    for line in lines:
+        try:
+            turn_id = json.loads(line).get("turn_id")
+        except (ValueError, AttributeError):
+            continue
+        if isinstance(turn_id, str):
+            base = turn_id.split("#")[0]
+            ids[base] = ids.get(base, 0) + 1
+    return ids
+
+
+def _delta_text(data: str, chat: bool) -> str:
+    try:
+        choice = (json.loads(data).get("choices") or [{}])[0]
+    except (ValueError, AttributeError):
+        return ""
+    return ((choice.get("delta") or {}).get("content") or "") if chat else (choice.get("text") or "")

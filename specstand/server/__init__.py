@@ -5,12 +5,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from specstand.drafters import default_k, make_drafter
+from specstand.drafters import NgramConfig, default_k, make_drafter
 from specstand.engine import Engine, EngineConfig
 from specstand.models import LoadedModel
-from specstand.server.app import create_app
+from specstand.server.app import ServerLimits, create_app
 from specstand.server.metrics import ServerMetrics
 from specstand.server.worker import EngineWorker
+
+__all__ = ["ServerConfig", "ServerLimits", "build_server"]
 
 
 @dataclass(frozen=True)
@@ -22,14 +24,17 @@ class ServerConfig:
     served_name: str = ""
     target_name: str = ""  # preset name, to find a shipped trained drafter
     drafter_path: Path | None = None
+    ngram: NgramConfig | None = None  # n-gram sizes (vLLM's prompt_lookup_min/max)
+    limits: ServerLimits = ServerLimits()
 
 
 def build_server(model: LoadedModel, config: ServerConfig):
     """The FastAPI app and its engine worker (started); stop the worker when done."""
-    drafter = make_drafter(config.method, model.decoder, config.target_name or model.name, config.drafter_path)
+    drafter = make_drafter(config.method, model.decoder, config.target_name or model.name, config.drafter_path,
+                           config.ngram)
     k = default_k(drafter, config.num_speculative_tokens)
     engine = Engine(model.decoder, drafter, EngineConfig(k, model.max_positions, config.max_batch))
     name = config.served_name or model.name
     worker = EngineWorker(engine, ServerMetrics(name), config.max_queue)
     worker.start()
-    return create_app(model, worker, name), worker
+    return create_app(model, worker, name, config.limits), worker

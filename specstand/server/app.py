@@ -1,4 +1,10 @@
-"""OpenAI-compatible HTTP server: /v1/chat/completions, /v1/completions, /v1/models, /health, /metrics."""
+"""OpenAI-compatible HTTP server: /v1/chat/completions, /v1/completions, /v1/models, /health, /metrics.
+
+What a request can break stays with that request: sizes are bounded at the door (body bytes, prompt
+characters), every sampling field is range-checked, a field the engine cannot honour is refused with a
+400 naming it (never silently ignored), tokenisation runs off the event loop, and each request has a
+server-side deadline.
+"""
 
 from __future__ import annotations
 
@@ -7,55 +13,182 @@ import json
 import time
 import uuid
 from collections.abc import AsyncIterator
-from typing import Literal
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any, Literal
 
 from fastapi import FastAPI
 from fastapi import Request as HttpRequest
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from specstand.engine import GenerationResult, Request, StepEvent
+from specstand.engine import DecodeStats, GenerationResult, Request, StepEvent
 from specstand.models import LoadedModel, ModelError
 from specstand.server.worker import EngineWorker, Overloaded
 from specstand.verification import SamplingParams
 
 DISCONNECT_POLL_S = 0.5
+GREEDY_BELOW = 1e-5  # temperatures under this sample greedily (as vLLM does): their distribution is a point
+
+
+@dataclass(frozen=True)
+class ServerLimits:
+    max_body_bytes: int = 8 * 2**20
+    max_prompt_chars: int = 1_000_000  # checked before tokenising
+    request_timeout_s: float = 600.0  # server-side deadline of a request, queueing included
+    default_max_tokens: int = 256  # when the client sends none (cut to what the context leaves)
+
+
+class ContentPart(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    type: str
+    text: str | None = None
 
 
 class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="allow")  # chat templates may read more (e.g. `reasoning_content`)
     role: str
-    content: str
+    content: str | list[ContentPart] | None = None
+    name: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None
+    tool_call_id: str | None = None
 
 
 class _Sampling(BaseModel):
-    model_config = ConfigDict(extra="ignore")  # unknown OpenAI fields are accepted and ignored
+    model_config = ConfigDict(extra="ignore")  # fields no engine needs (user, metadata, ...) are ignored
 
     model: str | None = None
     max_tokens: int | None = Field(default=None, gt=0)
     max_completion_tokens: int | None = Field(default=None, gt=0)
-    temperature: float = Field(default=1.0, ge=0)
-    top_p: float = Field(default=1.0, gt=0, le=1)
-    top_k: int = Field(default=0, ge=0)
-    seed: int | None = None
+    temperature: float = Field(default=1.0, ge=0, le=100, allow_inf_nan=False)
+    top_p: float = Field(default=1.0, gt=0, le=1, allow_inf_nan=False)
+    top_k: int = Field(default=0, ge=-1)  # -1 or 0: no top-k cut (vLLM uses -1)
+    seed: int | None = Field(default=None, ge=-(2**63), lt=2**64)
     stream: bool = False
     n: Literal[1] = 1
+    stop: str | list[str] | None = None
+    # refused unless left at their neutral value: the engine cannot honour them
+    logprobs: bool | int | None = None
+    top_logprobs: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: dict[str, float] | None = None
+    response_format: dict[str, Any] | None = None
+
+    def unsupported(self) -> str | None:
+        """The first field set to something the engine does not do, or None."""
+        if self.logprobs or self.top_logprobs:
+            return "logprobs"
+        for name, neutral in (("presence_penalty", 0.0), ("frequency_penalty", 0.0), ("repetition_penalty", 1.0)):
+            if getattr(self, name) != neutral:
+                return name
+        if self.logit_bias:
+            return "logit_bias"
+        if self.response_format and self.response_format.get("type", "text") != "text":
+            return "response_format"
+        return None
+
+    def stop_strings(self) -> list[str]:
+        stops = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+        return [s for s in stops if s]
 
 
 class ChatCompletionRequest(_Sampling):
     messages: list[ChatMessage] = Field(min_length=1)
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
 
 
 class CompletionRequest(_Sampling):
     prompt: str = Field(min_length=1)
 
 
+class _Refused(Exception):
+    """A request the server answers with a 4xx: status, message, error type, parameter."""
+
+    def __init__(self, status: int, message: str, param: str | None = None, kind: str = "invalid_request_error"):
+        super().__init__(message)
+        self.status, self.message, self.param, self.kind = status, message, param, kind
+
+
 def error_response(status: int, message: str, kind: str, param: str | None = None) -> JSONResponse:
     return JSONResponse({"error": {"message": message, "type": kind, "param": param, "code": status}}, status)
 
 
-def create_app(model: LoadedModel, worker: EngineWorker, served_name: str, default_max_tokens: int = 256) -> FastAPI:
+class BodyLimit:
+    """ASGI middleware: a request body over `limit` bytes gets a 413 before anything parses it."""
+
+    def __init__(self, app, limit: int) -> None:
+        self.app, self.limit = app, limit
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        declared = dict(scope.get("headers") or []).get(b"content-length")
+        if declared is not None and declared.isdigit() and int(declared) > self.limit:
+            return await self._too_large(scope, receive, send)
+        seen = 0
+
+        async def counted():
+            nonlocal seen
+            message = await receive()
+            if message["type"] == "http.request":
+                seen += len(message.get("body", b""))
+                if seen > self.limit:
+                    raise _BodyTooLarge
+            return message
+
+        try:
+            await self.app(scope, counted, send)
+        except _BodyTooLarge:
+            await self._too_large(scope, receive, send)
+
+    async def _too_large(self, scope, receive, send) -> None:
+        response = error_response(413, f"request body over {self.limit} bytes", "invalid_request_error")
+        await response(scope, receive, send)
+
+
+class _BodyTooLarge(Exception):
+    pass
+
+
+def _message_dict(message: ChatMessage) -> dict:
+    """A message as chat templates read it: content parts joined into text (text parts only)."""
+    out = message.model_dump(exclude_none=True)
+    if isinstance(message.content, list):
+        texts = []
+        for part in message.content:
+            if part.type != "text" or part.text is None:
+                raise _Refused(400, f"content part type {part.type!r} is not supported (text only)", "messages")
+            texts.append(part.text)
+        out["content"] = "".join(texts)
+    elif message.content is None:
+        out["content"] = None if message.tool_calls else ""
+    return out
+
+
+def _prompt_chars(body: _Sampling) -> int:
+    if isinstance(body, CompletionRequest):
+        return len(body.prompt)
+    total = 0
+    for m in body.messages:
+        if isinstance(m.content, str):
+            total += len(m.content)
+        elif m.content:
+            total += sum(len(p.text or "") for p in m.content)
+        total += len(json.dumps(m.tool_calls)) if m.tool_calls else 0
+    return total + (len(json.dumps(body.tools)) if body.tools else 0)
+
+
+def create_app(model: LoadedModel, worker: EngineWorker, served_name: str,
+               limits: ServerLimits | None = None) -> FastAPI:
+    limits = limits or ServerLimits()
     app = FastAPI(title="specstand", docs_url=None, redoc_url=None)
+    app.add_middleware(BodyLimit, limit=limits.max_body_bytes)
+    tokenizer_thread = ThreadPoolExecutor(1, thread_name_prefix="specstand-tokenizer")  # one at a time
 
     @app.exception_handler(RequestValidationError)
     async def bad_request(_: HttpRequest, error: RequestValidationError) -> JSONResponse:
@@ -63,13 +196,25 @@ def create_app(model: LoadedModel, worker: EngineWorker, served_name: str, defau
         where = ".".join(str(p) for p in first.get("loc", ()) if p != "body")
         return error_response(400, f"{where or 'body'}: {first.get('msg')}", "invalid_request_error", where or None)
 
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(_: HttpRequest, error: StarletteHTTPException) -> JSONResponse:
+        kind = "invalid_request_error" if error.status_code < 500 else "internal_error"
+        return error_response(error.status_code, str(error.detail), kind)
+
+    @app.exception_handler(_Refused)
+    async def refused(_: HttpRequest, error: _Refused) -> JSONResponse:
+        return error_response(error.status, error.message, error.kind, error.param)
+
     @app.exception_handler(Exception)
     async def internal(_: HttpRequest, error: Exception) -> JSONResponse:
         return error_response(500, f"internal error: {type(error).__name__}: {error}", "internal_error")
 
     @app.get("/health")
     async def health() -> Response:
-        return Response(status_code=200 if worker.healthy else 503)
+        problem = worker.problem()
+        if problem:
+            return error_response(503, problem, "unhealthy")
+        return Response(status_code=200)
 
     @app.get("/metrics")
     async def metrics() -> Response:
@@ -80,108 +225,207 @@ def create_app(model: LoadedModel, worker: EngineWorker, served_name: str, defau
         return {"object": "list", "data": [{"id": served_name, "object": "model", "owned_by": "specstand",
                                             "created": int(time.time())}]}
 
+    async def tokenize(function, *args, **kwargs) -> list[int]:
+        loop = asyncio.get_running_loop()
+        try:
+            return await loop.run_in_executor(tokenizer_thread, lambda: function(*args, **kwargs))
+        except ModelError as error:
+            raise _Refused(400, str(error), "messages") from None
+        except Exception as error:  # a chat template that cannot render these messages is the client's input
+            raise _Refused(400, f"the chat template failed on these messages: {type(error).__name__}: {error}",
+                           "messages") from None
+
     @app.post("/v1/chat/completions")
     async def chat(body: ChatCompletionRequest, http: HttpRequest) -> Response:
-        try:
-            prompt_ids = model.encode_messages([m.model_dump() for m in body.messages])
-        except ModelError as error:
-            return error_response(400, str(error), "invalid_request_error", "messages")
+        _check(body)
+        if body.tool_choice not in (None, "auto", "none"):
+            raise _Refused(400, "tool_choice other than 'auto' or 'none' is not supported (it needs constrained "
+                                "decoding)", "tool_choice")
+        messages = [_message_dict(m) for m in body.messages]
+        tools = body.tools if body.tool_choice != "none" else None
+        prompt_ids = await tokenize(model.encode_messages, messages, tools=tools)
         return await _complete(body, prompt_ids, http, chat=True)
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, http: HttpRequest) -> Response:
-        return await _complete(body, model.encode_prompt(body.prompt), http, chat=False)
+        _check(body)
+        return await _complete(body, await tokenize(model.encode_prompt, body.prompt), http, chat=False)
+
+    def _check(body: _Sampling) -> None:
+        if body.model not in (None, served_name):
+            raise _Refused(404, f"model {body.model!r} does not exist (serving {served_name!r})", "model")
+        field = body.unsupported()
+        if field:
+            raise _Refused(400, f"{field} is not supported by this server", field)
+        if _prompt_chars(body) > limits.max_prompt_chars:
+            raise _Refused(400, f"the prompt is over {limits.max_prompt_chars} characters", "messages")
+
+    def _request(body: _Sampling, prompt_ids: list[int]) -> Request:
+        room = worker.engine.runner.capacity - len(prompt_ids) - worker.engine.width + 1
+        if room <= 0:
+            raise _Refused(400, f"the prompt ({len(prompt_ids)} tokens) fills the context of "
+                                f"{worker.engine.runner.capacity} tokens", "messages")
+        asked = body.max_completion_tokens or body.max_tokens
+        max_tokens = asked or min(limits.default_max_tokens, room)
+        temperature = 0.0 if body.temperature < GREEDY_BELOW else body.temperature
+        seed = None if body.seed is None else body.seed % 2**64
+        try:
+            return Request(prompt_ids, max_tokens, SamplingParams(temperature, body.top_p, max(body.top_k, 0), seed),
+                           model.stop_token_ids)
+        except ValueError as error:
+            raise _Refused(400, str(error)) from None
 
     async def _complete(body: _Sampling, prompt_ids: list[int], http: HttpRequest, chat: bool) -> Response:
-        if body.model not in (None, served_name):
-            return error_response(404, f"model {body.model!r} does not exist (serving {served_name!r})",
-                                  "invalid_request_error", "model")
+        request = _request(body, prompt_ids)
         try:
-            request = Request(
-                prompt_ids=prompt_ids,
-                max_tokens=body.max_completion_tokens or body.max_tokens or default_max_tokens,
-                sampling=SamplingParams(body.temperature, body.top_p, body.top_k, body.seed),
-                stop_token_ids=model.stop_token_ids,
-            )
             ticket, events = worker.submit(request)
         except ValueError as error:
-            return error_response(400, str(error), "invalid_request_error")
+            raise _Refused(400, str(error), "max_tokens") from None
         except Overloaded as error:
-            return error_response(429, str(error), "rate_limit_error")
+            raise _Refused(429, str(error), kind="rate_limit_error") from None
         meta = {"id": f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}", "created": int(time.time()),
                 "model": served_name}
+        answer = _Answer(model, body.stop_strings())
+        deadline = time.monotonic() + limits.request_timeout_s
         if body.stream:
-            return StreamingResponse(_stream(ticket, events, meta, chat), media_type="text/event-stream")
+            return StreamingResponse(_stream(ticket, events, answer, meta, chat, deadline),
+                                     media_type="text/event-stream")
         try:
-            result = await _wait(ticket, events, http)
+            outcome = await _wait(ticket, events, answer, http, deadline)
         except asyncio.CancelledError:
             worker.cancel(ticket)
             raise
-        if result is None:
+        if outcome == "disconnected":
             return Response(status_code=499)  # the client went away; its slot is freed
-        if isinstance(result, Exception):
-            return error_response(500, f"engine failed: {result}", "internal_error")
-        return JSONResponse(_full_response(result, meta, chat, len(prompt_ids)))
+        if outcome == "timeout":
+            return error_response(504, f"no answer within {limits.request_timeout_s:g} s", "timeout")
+        if isinstance(outcome, Exception):
+            return error_response(500, f"engine failed: {outcome}", "internal_error")
+        if outcome.finish_reason == "error":
+            return error_response(500, f"this request failed in the engine: {outcome.error}", "internal_error")
+        return JSONResponse(_full_response(answer, outcome, meta, chat, len(prompt_ids)))
 
-    async def _wait(ticket: int, events: asyncio.Queue, http: HttpRequest) -> GenerationResult | Exception | None:
+    async def _next_event(events: asyncio.Queue, deadline: float, http: HttpRequest | None):
+        """The next engine event, "timeout" past the deadline, or "disconnected" once the client left."""
         while True:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return "timeout"
             try:
-                event = await asyncio.wait_for(events.get(), DISCONNECT_POLL_S)
+                return await asyncio.wait_for(events.get(), min(DISCONNECT_POLL_S, left))
             except TimeoutError:
-                if await http.is_disconnected():
+                if http is not None and await http.is_disconnected():
+                    return "disconnected"
+
+    async def _wait(ticket: int, events: asyncio.Queue, answer: _Answer, http: HttpRequest, deadline: float):
+        while True:
+            event = await _next_event(events, deadline, http)
+            if isinstance(event, (str, Exception)):
+                if isinstance(event, str):
                     worker.cancel(ticket)
-                    return None
-                continue
-            if isinstance(event, Exception):
                 return event
+            answer.add(event)
             if event.finished is not None:
                 return event.finished
+            if answer.stopped:  # a stop string: the engine can drop the rest
+                worker.cancel(ticket)
+                return GenerationResult(event.request_id, [], answer.token_ids, "stop", DecodeStats())
 
-    def _full_response(result: GenerationResult, meta: dict, chat: bool, prompt_tokens: int) -> dict:
-        text = model.decode(result.output_ids)
-        choice = {"index": 0, "finish_reason": result.finish_reason, "logprobs": None}
+    def _full_response(answer: _Answer, result: GenerationResult, meta: dict, chat: bool, prompt_tokens: int) -> dict:
+        text = answer.text()
+        reason = "stop" if answer.stopped else result.finish_reason
+        choice = {"index": 0, "finish_reason": reason, "logprobs": None}
         if chat:
             choice["message"] = {"role": "assistant", "content": text}
         else:
             choice["text"] = text
+        completion_tokens = len(answer.token_ids)
         return {
             **meta,
             "object": "chat.completion" if chat else "text_completion",
             "choices": [choice],
-            "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": len(result.output_ids),
-                      "total_tokens": prompt_tokens + len(result.output_ids)},
-            "specstand": {"token_ids": result.output_ids, "stats": result.stats.to_dict()},
+            "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+                      "total_tokens": prompt_tokens + completion_tokens},
+            "specstand": {"token_ids": answer.token_ids, "stats": result.stats.to_dict()},
         }
 
-    async def _stream(ticket: int, events: asyncio.Queue, meta: dict, chat: bool) -> AsyncIterator[str]:
+    async def _stream(ticket: int, events: asyncio.Queue, answer: _Answer, meta: dict, chat: bool,
+                      deadline: float) -> AsyncIterator[str]:
         kind = "chat.completion.chunk" if chat else "text_completion"
-        token_ids: list[int] = []
-        sent = ""
         finished = False
         try:
             if chat:
                 yield _sse({**meta, "object": kind, "choices": [{"index": 0, "delta": {"role": "assistant"},
                                                                    "finish_reason": None}]})
             while not finished:
-                event: StepEvent | Exception = await events.get()
-                if isinstance(event, Exception):
-                    yield _sse({"error": {"message": f"engine failed: {event}", "type": "internal_error"}})
+                event = await _next_event(events, deadline, None)
+                if isinstance(event, (str, Exception)) or (
+                    event.finished is not None and event.finished.finish_reason == "error"
+                ):
+                    yield _sse({"error": {"message": _stream_failure(event), "type": "internal_error"}})
                     break
-                token_ids.extend(event.new_tokens)
-                finished = event.finished is not None
-                text = model.decode(token_ids)
-                if text.endswith("\ufffd") and not finished:
+                answer.add(event)
+                finished = event.finished is not None or answer.stopped
+                delta = answer.new_text(final=finished)
+                if delta is None:
                     continue  # an incomplete multi-byte character: wait for the rest
-                delta, sent = text[len(sent):], text
-                reason = event.finished.finish_reason if finished else None
+                reason = None
+                if finished:
+                    reason = "stop" if answer.stopped else event.finished.finish_reason
                 body = {"delta": {"content": delta}} if chat else {"text": delta}
                 yield _sse({**meta, "object": kind, "choices": [{"index": 0, **body, "finish_reason": reason}]})
             yield "data: [DONE]\n\n"
         finally:
-            if not finished:
+            if not finished or answer.stopped:
                 worker.cancel(ticket)
 
+    def _stream_failure(event) -> str:
+        if event == "timeout":
+            return f"no answer within {limits.request_timeout_s:g} s"
+        if isinstance(event, Exception):
+            return f"engine failed: {event}"
+        return f"this request failed in the engine: {event.finished.error}"
+
     return app
+
+
+class _Answer:
+    """The text of an answer as tokens arrive, cut at the first stop string."""
+
+    def __init__(self, model: LoadedModel, stops: list[str]) -> None:
+        self.model, self.stops = model, stops
+        self.token_ids: list[int] = []
+        self.stopped = False
+        self._sent = ""
+
+    def add(self, event: StepEvent) -> None:
+        if self.stopped:
+            return
+        self.token_ids.extend(event.new_tokens)
+        if self.stops and self._cut(self.model.decode(self.token_ids)) is not None:
+            self.stopped = True
+
+    def _cut(self, text: str) -> int | None:
+        found = [text.find(s) for s in self.stops if s in text]
+        return min(found) if found else None
+
+    def text(self) -> str:
+        text = self.model.decode(self.token_ids)
+        cut = self._cut(text)
+        return text if cut is None else text[:cut]
+
+    def new_text(self, final: bool) -> str | None:
+        """What is new since the last call; None while the text ends inside a multi-byte character (or
+        could still turn into a stop string) and more is coming."""
+        text = self.text()
+        if not final and not self.stopped:
+            if text.endswith("\ufffd"):
+                return None
+            # hold back a tail that may be the start of a stop string
+            hold = max((len(s) - 1 for s in self.stops), default=0)
+            text = text[: max(len(self._sent), len(text) - hold)]
+        delta, self._sent = text[len(self._sent):], text
+        return delta
 
 
 def _sse(payload: dict) -> str:

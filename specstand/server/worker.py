@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import threading
+import time
 from collections import deque
 from dataclasses import dataclass
 
@@ -28,10 +29,11 @@ class _Ticket:
 
 
 class EngineWorker:
-    def __init__(self, engine: Engine, metrics: ServerMetrics, max_queue: int) -> None:
+    def __init__(self, engine: Engine, metrics: ServerMetrics, max_queue: int, stall_s: float = 300.0) -> None:
         self.engine = engine
         self.metrics = metrics
         self.max_queue = max_queue
+        self.stall_s = stall_s  # work waiting and no engine step finished for this long: unhealthy
         self._cond = threading.Condition()
         self._inbox: deque[tuple[int, Request]] = deque()
         self._cancelled: set[int] = set()
@@ -39,11 +41,26 @@ class EngineWorker:
         self._by_engine_id: dict[int, int] = {}
         self._ids = itertools.count()
         self._stopped = False
-        self._thread = threading.Thread(target=self._loop, name="specstand-engine", daemon=True)
-        self.healthy = True
+        self._thread = threading.Thread(target=self._run, name="specstand-engine", daemon=True)
+        self._progress = time.monotonic()  # when the engine last finished a step or went idle
+        self._crash = ""
 
     def start(self) -> None:
         self._thread.start()
+
+    def problem(self) -> str:
+        """Why the server cannot serve now ("" when it can): the engine thread died, or it has work and
+        has not finished a step for stall_s seconds."""
+        if self._crash:
+            return f"the engine thread died: {self._crash}"
+        if not self._thread.is_alive():
+            return "the engine thread is not running"
+        with self._cond:
+            busy = bool(self._tickets)
+        stalled = time.monotonic() - self._progress
+        if busy and stalled > self.stall_s:
+            return f"no engine step finished for {stalled:.0f} s with requests in flight"
+        return ""
 
     def stop(self) -> None:
         with self._cond:
@@ -72,10 +89,18 @@ class EngineWorker:
                 self._cancelled.add(ticket_id)
                 self._cond.notify()
 
+    def _run(self) -> None:
+        try:
+            self._loop()
+        except BaseException as error:  # noqa: BLE001 - recorded for /health, then the thread ends
+            self._crash = f"{type(error).__name__}: {error}"
+            raise
+
     def _loop(self) -> None:
         while True:
             with self._cond:
                 while not (self._stopped or self._inbox or self._cancelled or self.engine.has_work):
+                    self._progress = time.monotonic()
                     self._cond.wait()
                 if self._stopped:
                     return
@@ -85,6 +110,7 @@ class EngineWorker:
             except Exception as error:  # keep serving: fail the requests in flight, reset the engine
                 self._fail_all(error)
                 continue
+            self._progress = time.monotonic()
             for event in events:
                 self._deliver(event)
 
@@ -116,7 +142,8 @@ class EngineWorker:
             if event.finished is not None:
                 self._tickets.pop(ticket_id, None)
                 self._by_engine_id.pop(event.request_id, None)
-                self.metrics.record(event.finished.stats, "finished")
+                outcome = "failed" if event.finished.finish_reason == "error" else "finished"
+                self.metrics.record(event.finished.stats, outcome)
                 self.metrics.set_waiting(len(self._tickets))
         if ticket is not None:
             ticket.loop.call_soon_threadsafe(ticket.events.put_nowait, event)

@@ -38,7 +38,7 @@ def heldout_turn(turn_id: str, fraction: float) -> bool:
 
 
 def prompt_ids(model: LoadedModel, call) -> list[int]:
-    return model.encode_messages(call.messages) if call.messages else model.encode_prompt(call.prompt)
+    return model.encode_messages(call.messages, call.tools) if call.messages else model.encode_prompt(call.prompt)
 
 
 def generate_rows(model: LoadedModel, turns: list[Turn], heldout: float, sampling: SamplingParams,

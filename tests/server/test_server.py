@@ -76,10 +76,25 @@ def test_concurrent_requests_share_passes_and_match_single_runs(server):
             model=served, messages=[{"role": "user", "content": prompt}], max_tokens=24, temperature=0)
         return reply.model_extra["specstand"]["token_ids"]
 
-    single = [ask(p) for p in PROMPTS]
-    with ThreadPoolExecutor(len(PROMPTS)) as pool:
-        together = list(pool.map(ask, PROMPTS))
+    passes = [0]
+    run = server.worker.engine.runner.run
+
+    def counted(*args, **kwargs):
+        passes[0] += not kwargs.get("prefill")
+        return run(*args, **kwargs)
+
+    server.worker.engine.runner.run = counted
+    try:
+        single = [ask(p) for p in PROMPTS]
+        alone = passes[0]
+        with ThreadPoolExecutor(len(PROMPTS)) as pool:
+            together = list(pool.map(ask, PROMPTS))
+        shared = passes[0] - alone
+    finally:
+        server.worker.engine.runner.run = run
     assert together == single
+    # batched: decode passes carried several requests (3 slots for 5 requests: well under the sum)
+    assert shared < 0.75 * alone, (shared, alone)
 
 
 def test_streaming_and_completions(server):
@@ -114,15 +129,39 @@ def test_bad_requests_get_4xx_and_the_server_keeps_serving(server):
     assert httpx.get(server.url + "/health").status_code == 200
 
 
-def test_metrics_use_vllm_names(server):
+def _samples(text: str) -> dict[str, float]:
+    """Sample lines only (HELP/TYPE lines skipped), labels folded into the name, values summed."""
+    values: dict[str, float] = {}
+    for line in text.splitlines():
+        if line.startswith("#") or not line.strip():
+            continue
+        name, value = line.rsplit(" ", 1)
+        key = name.split("{")[0] + ("{position=" + name.split('position="')[1].split('"')[0] + "}"
+                                    if 'position="' in name else "")
+        values[key] = values.get(key, 0.0) + float(value)
+    return values
+
+
+def test_metrics_use_vllm_names_and_count_what_happened(server):
     served = server.client.models.list().data[0].id
-    server.client.chat.completions.create(model=served, messages=[{"role": "user", "content": PROMPTS[0]}],
-                                          max_tokens=16, temperature=0)
-    text = httpx.get(server.url + "/metrics").text
-    for name in ("vllm:spec_decode_num_drafts_total", "vllm:spec_decode_num_draft_tokens_total",
-                 "vllm:spec_decode_num_accepted_tokens_total", "vllm:spec_decode_num_accepted_tokens_per_pos_total",
-                 "specstand:target_passes_total", "specstand:passes_without_draft_total", "specstand:tau"):
-        assert name in text, name
+    before = _samples(httpx.get(server.url + "/metrics").text)
+    reply = server.client.chat.completions.create(model=served, messages=[{"role": "user", "content": PROMPTS[0]}],
+                                                  max_tokens=16, temperature=0)
+    after = _samples(httpx.get(server.url + "/metrics").text)
+
+    def grew(name: str) -> float:
+        return after.get(name, 0.0) - before.get(name, 0.0)
+
+    stats = reply.model_extra["specstand"]["stats"]
+    assert grew("vllm:spec_decode_num_drafts_total") == stats["passes_with_draft"] > 0
+    assert grew("vllm:spec_decode_num_draft_tokens_total") == stats["drafted_tokens"]
+    assert grew("vllm:spec_decode_num_accepted_tokens_total") == stats["accepted_tokens"]
+    assert sum(grew(f"vllm:spec_decode_num_accepted_tokens_per_pos_total{{position={i}}}")
+               for i in range(8)) == stats["accepted_tokens"]
+    assert grew("specstand:target_passes_total") == stats["target_passes"]
+    assert grew("specstand:passes_without_draft_total") == stats["target_passes"] - stats["passes_with_draft"]
+    assert grew("specstand:emitted_tokens_total") == reply.usage.completion_tokens
+    assert after["specstand:tau"] > 1.0
 
 
 def test_disconnect_frees_the_slot(tiny_model_dir):

@@ -112,12 +112,12 @@ def test_a_killed_training_run_resumes_to_the_same_weights(tiny_data, tiny_model
     deadline = time.time() + 300
     while time.time() < deadline:  # kill it once a mid-run checkpoint exists
         state = interrupted / TRAINER_STATE
-        if state.is_file() and torch.load(state, weights_only=False)["step"] >= 10:
+        if state.is_file() and torch.load(state, weights_only=True)["step"] >= 10:
             break
         time.sleep(0.05)
     process.kill()
     process.wait()
-    step = torch.load(interrupted / TRAINER_STATE, weights_only=False)["step"]
+    step = torch.load(interrupted / TRAINER_STATE, weights_only=True)["step"]
     assert 10 <= step < 30
     resumed = _train_cli(tiny_data, interrupted, tiny_model_dir, 30)
     output = resumed.communicate(timeout=300)[0]
@@ -127,3 +127,26 @@ def test_a_killed_training_run_resumes_to_the_same_weights(tiny_data, tiny_model
     assert a.keys() == b.keys()
     for name in a:
         assert torch.equal(a[name], b[name]), name
+
+
+class _Exploit:
+    """Unpickling this would run code; a weights-only load refuses it."""
+
+    def __reduce__(self):
+        return (print, ("this ran while loading",))
+
+
+def test_resume_refuses_a_changed_config_and_unsafe_state(tiny_target, tiny_data, tmp_path):
+    def config(**changes):
+        settings = {"steps": 2, "pack_tokens": 256, "draft_vocab_size": 64, **changes}
+        return TrainConfig("mtp", str(tiny_data), str(tmp_path), **settings)
+
+    train(config(), tiny_target, log=lambda _: None)
+    assert (tmp_path / "model.safetensors").is_file() and (tmp_path / TRAINER_STATE).is_file()
+    with pytest.raises(ValueError, match="lr=0.001, not 0.002"):
+        train(config(steps=3, lr=2e-3), tiny_target, log=lambda _: None)
+    train(config(steps=3, save_every=1), tiny_target, log=lambda _: None)  # longer and saved more often: fine
+    assert torch.load(tmp_path / TRAINER_STATE, weights_only=True)["step"] == 3
+    torch.save({"step": 1, "config": {}, "payload": _Exploit()}, tmp_path / TRAINER_STATE)
+    with pytest.raises(ValueError, match="cannot resume from"):
+        train(config(steps=4), tiny_target, log=lambda _: None)

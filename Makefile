@@ -35,16 +35,17 @@ demo: install
 		--method none,ngram,suffix,dflash --users 1,4 --repeats 2 --out $(DEMO)
 
 # Trained drafters for $(MODEL), as shipped in drafters/: the target answers the first $(DRAFTER_CALLS) agent calls
-# (fp32, 8 at a time: on CPUs without bf16 matrix units several times faster than bf16); the three methods
+# (8 at a time, bf16 where the compiled kernels compute prompts too (amx, avx512bf16), else fp32: on CPUs
+# without bf16 matrix instructions torch's fp32 GEMMs are several times faster than its bf16 ones); the three methods
 # train together on one pass of the target over the rows; each is evaluated on held-out turns and gets a
 # model card. SmolLM2: DFlash (about 1 s a step once that pass is in memory) is then resumed to 1200 steps.
-# Qwen (896 wide): a narrower MLP and a 6144-token draft vocabulary keep each drafter under 30 MB; the
-# target's pass runs in fp32 (bf16 batches are slow on such CPUs).
+# Qwen (896 wide): a narrower MLP and a 6144-token draft vocabulary keep each drafter under 30 MB.
 DRAFTERS := out/drafters
+TARGET_DTYPE ?= $(shell $(PY) -c "from specstand import kernels as k; print('bf16' if k.best_path() in ('amx', 'avx512bf16') else 'fp32')" 2>/dev/null || echo fp32)
 TRAIN_STEPS := 300
 ifeq ($(MODEL),qwen2.5-coder-0.5b)
 DRAFTER_CALLS ?= 160
-TRAIN_FLAGS ?= --dtype fp32 --intermediate-size 1024 --draft-vocab 6144
+TRAIN_FLAGS ?= --dtype $(TARGET_DTYPE) --intermediate-size 1024 --draft-vocab 6144
 DFLASH_STEPS ?= $(TRAIN_STEPS)
 EVAL_CALLS ?= 6
 else
@@ -59,7 +60,7 @@ drafters: install
 	$(VENV)/bin/specstand workload import complexfuncbench --out $(DRAFTERS)/complexfuncbench.jsonl \
 		--max-prompt-chars 3000 --max-tokens 96
 	$(VENV)/bin/specstand workload import nestful --out $(DRAFTERS)/nestful.jsonl --max-prompt-chars 3000 --max-tokens 96
-	test -f $(DRAFTERS)/data-$(MODEL)/rows.jsonl || $(VENV)/bin/specstand train-data --model $(MODEL) --dtype fp32 \
+	test -f $(DRAFTERS)/data-$(MODEL)/rows.jsonl || $(VENV)/bin/specstand train-data --model $(MODEL) --dtype $(TARGET_DTYPE) \
 		--max-batch 8 --workload $(DRAFTERS)/complexfuncbench.jsonl --workload $(DRAFTERS)/nestful.jsonl \
 		--out $(DRAFTERS)/data-$(MODEL) --limit-calls $(DRAFTER_CALLS)
 	$(VENV)/bin/specstand train --method dflash,eagle3,mtp --model $(MODEL) --data $(DRAFTERS)/data-$(MODEL) \

@@ -16,6 +16,9 @@ from specstand.runner.transformer import ATTENTION_BUCKET, DecoderModel
 # prompt prefix (rounded down to a block) is bit-identical to computing the prompt afresh. The compiled
 # forward's rows depend on nothing else in their pass, so there it holds whatever the blocks.
 PREFILL_BLOCK = 64
+# Rows per compiled prompt pass: the linears then stream their weights once for many rows, and only the
+# last pass of a prompt computes logits (one row).
+PROMPT_CHUNK = 512
 
 
 @dataclass
@@ -60,7 +63,7 @@ class TargetRunner:
             if start + width > self.cache.capacity:  # padding rows may use the bucket's tail
                 raise ValueError(f"slot {item.slot} would exceed the cache capacity {self.capacity}")
         if self.compiled is not None and (self.compiled_prompts or not prefill):
-            return self._run_compiled(inputs, starts, tap_layers, prefill)
+            return self._run_compiled(inputs, starts, tap_layers, "last" if prefill else "all")
         rows = [item.tokens + [item.tokens[-1]] * (width - len(item.tokens)) for item in inputs]
         logits, taps = self.model.forward(
             torch.tensor(rows), starts, [item.slot for item in inputs],
@@ -76,13 +79,15 @@ class TargetRunner:
         return outputs
 
     def _run_compiled(
-        self, inputs: list[PassInput], starts: list[int], tap_layers: tuple[int, ...], last_only: bool
+        self, inputs: list[PassInput], starts: list[int], tap_layers: tuple[int, ...], logits: str
     ) -> list[PassOutput]:
+        """`logits`: "all" rows, each request's "last" row, or "none" (a prompt pass before its last)."""
         tokens = [t for item in inputs for t in item.tokens]
         slots = [item.slot for item in inputs for _ in item.tokens]
         positions = [start + i for item, start in zip(inputs, starts, strict=True) for i in range(len(item.tokens))]
         ends = list(itertools.accumulate(len(item.tokens) for item in inputs))
-        logit_rows = [end - 1 for end in ends] if last_only else None
+        logit_rows = {"all": None, "last": [end - 1 for end in ends], "none": []}[logits]
+        last_only = logits != "all"
         logits, taps = self.compiled.forward(
             tokens, slots, positions, self.cache.keys, self.cache.values, tap_layers, logit_rows
         )
@@ -100,6 +105,16 @@ class TargetRunner:
         start = self.cache.lengths[slot]
         if start % PREFILL_BLOCK or start >= len(tokens):
             raise ValueError(f"a prompt prefill must start on a block boundary before its end, not at {start}")
+        if self.compiled_prompts:
+            if len(tokens) > self.capacity:
+                raise ValueError(f"a prompt of {len(tokens)} tokens exceeds the cache capacity {self.capacity}")
+            parts = []
+            for begin in range(start, len(tokens), PROMPT_CHUNK):
+                chunk = tokens[begin : begin + PROMPT_CHUNK]
+                last = begin + PROMPT_CHUNK >= len(tokens)
+                parts.append(self._run_compiled([PassInput(slot, chunk)], [begin], tap_layers,
+                                                "last" if last else "none")[0])
+            return PassOutput(parts[-1].logits, {k: torch.cat([p.taps[k] for p in parts]) for k in tap_layers})
         parts = []
         for begin in range(start, len(tokens), PREFILL_BLOCK):
             block = tokens[begin : begin + PREFILL_BLOCK]

@@ -19,7 +19,7 @@ __all__ = ["ServerConfig", "ServerLimits", "build_server"]
 class ServerConfig:
     method: str = "none"
     num_speculative_tokens: int | None = None  # None: the method's default
-    max_batch: int = 4
+    max_batch: int = 8
     max_queue: int = 64
     served_name: str = ""
     target_name: str = ""  # preset name, to find a shipped trained drafter

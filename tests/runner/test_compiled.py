@@ -10,6 +10,7 @@ import torch
 
 from specstand import kernels
 from specstand.runner import PassInput, TargetRunner
+from specstand.runner import runner as runner_module
 from specstand.runner.compiled import attach_compiled
 from specstand.runner.transformer import DecoderModel
 from tests.conftest import FAMILIES, KERNEL_PATHS, random_prompts, tiny_decoder, tiny_hf_model
@@ -78,10 +79,13 @@ def test_rows_are_bit_identical_whatever_shares_the_pass(family, path, head_dim)
             assert torch.equal(mixed[i], alone[i]), (groups, i)
 
 
+@pytest.mark.parametrize("chunk", [512, 48])
 @pytest.mark.parametrize("path", KERNEL_PATHS)
-def test_prompt_blocks_equal_one_row_at_a_time_where_the_kernels_compute_prompts(path):
-    """On amx/avx512bf16 prompts run through the kernels too: a 150-token prompt in 64-row blocks leaves
-    the same cache and last logits, to the bit, as feeding it one token a pass."""
+def test_prompt_blocks_equal_one_row_at_a_time_where_the_kernels_compute_prompts(path, chunk, monkeypatch):
+    """On amx/avx512bf16 prompts run through the kernels too: a 150-token prompt in passes of `chunk` rows
+    (logits from the last one only) leaves the same cache and last logits, to the bit, as feeding it one
+    token a pass."""
+    monkeypatch.setattr(runner_module, "PROMPT_CHUNK", chunk)
     runner = TargetRunner(tiny_decoder("qwen2", torch.bfloat16, forward=path, head_dim=64), 2, 256)
     assert runner.compiled_prompts == (path in ("amx", "avx512bf16"))
     if not runner.compiled_prompts:
@@ -89,9 +93,12 @@ def test_prompt_blocks_equal_one_row_at_a_time_where_the_kernels_compute_prompts
     prompt = random_prompts(1, 150, seed=3)[0]
     blocks, single = runner.cache.allocate(), runner.cache.allocate()
     last = runner.prefill(blocks, prompt, tap_layers=(1,))
+    taps = []
     for token in prompt:
         one = runner.run([PassInput(single, [token])], 1, tap_layers=(1,))[0]
+        taps.append(one.taps[1])
     assert torch.equal(last.logits, one.logits)
+    assert torch.equal(last.taps[1], torch.cat(taps))
     assert torch.equal(runner.cache.keys[:, blocks, :, :150], runner.cache.keys[:, single, :, :150])
     assert torch.equal(runner.cache.values[:, blocks, :, :150], runner.cache.values[:, single, :, :150])
 

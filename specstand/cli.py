@@ -87,6 +87,8 @@ def build_parser() -> argparse.ArgumentParser:
                        help="an OpenAI-compatible server to measure (repeatable)")
     bench.add_argument("--model", default=None, help="start specstand servers for this model")
     bench.add_argument("--method", action="append", default=[], help="method(s) to serve (repeatable or a,b,c)")
+    bench.add_argument("--speculative-config", action="append", default=[],
+                       help="also serve a target configured by vLLM's JSON (repeatable; needs --model)")
     bench.add_argument("--k", type=int, default=None, help="draft tokens per pass (default 5; DFlash: block - 1)")
     bench.add_argument("--dtype", default="bf16", choices=["bf16", "fp32"])
     bench.add_argument("--max-seq-len", type=int, default=2048)
@@ -367,6 +369,13 @@ def cmd_record(args: argparse.Namespace) -> None:
                 log_level="warning")
 
 
+def _config_target_name(text: str) -> str:
+    """A bench target's name for a --speculative-config: its method and K, checked as `serve` will."""
+    probe = argparse.Namespace(speculative_config=text, method="none", k=None, drafter=None)
+    _apply_speculative_config(probe)
+    return f"{probe.method}-cfg" + (f"-k{probe.k}" if probe.k is not None else "")
+
+
 def _parse_users(text: str) -> list[int]:
     try:
         users = [int(u) for u in text.split(",") if u.strip()]
@@ -388,6 +397,9 @@ def cmd_bench(args: argparse.Namespace) -> None:
         raise CliError("--repeats must be >= 1")
     turns = load_workload(args.workload)[: args.limit_turns]
     methods = [m for value in args.method for m in value.split(",") if m]
+    configured = [(_config_target_name(text), text) for text in args.speculative_config]
+    if configured and not args.model:
+        raise CliError("--speculative-config needs --model")
     for method in methods:
         if method not in METHODS:
             raise CliError(f"unknown method {method!r} (choose from {', '.join(METHODS)})")
@@ -406,6 +418,9 @@ def cmd_bench(args: argparse.Namespace) -> None:
         for method in methods:
             targets.append(start_server(method, args.model, args.k, args.max_batch, args.dtype, args.max_seq_len,
                                         drafters.get(method)))
+        for name, text in configured:
+            targets.append(start_server(name, args.model, None, args.max_batch, args.dtype, args.max_seq_len,
+                                        speculative_config=text))
         for target in targets:
             wait_ready(target)
         baseline = args.baseline or targets[0].name

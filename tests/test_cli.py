@@ -91,3 +91,25 @@ def test_workload_import_skips_turns(capsys, tmp_path):
     code, _, err = _run(capsys, "workload", "import", "spec-bench", "--spec-bench-file", str(questions),
                         "--out", str(out), "--skip", "-1")
     assert code != 0 and err.strip() == "specstand: error: --skip must be >= 0"
+
+
+def test_vllm_speculative_config_stands_for_method_k_and_ngram_sizes(capsys, tiny_model_dir):
+    config = '{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 2, "prompt_lookup_max": 4}'
+    code, out, _ = _run(capsys, "generate", "--model", str(tiny_model_dir), "--speculative-config", config,
+                        "--prompt", "w3 w4 w5 w3 w4 w5 w3 w4", "--max-tokens", "12", "--json")
+    assert code == 0
+    stats = json.loads(out)["stats"]
+    assert stats["passes_with_draft"] > 0 and 0 < len(stats["drafted_per_position"]) <= 3  # K from the config
+    for bad, message in [
+        ("{not json", "not valid JSON"),
+        ('{"method": "medusa"}', "method 'medusa'"),
+        ('{"method": "ngram", "draft_tensor_parallel_size": 2}', "draft_tensor_parallel_size not supported"),
+        ('{"method": "suffix", "prompt_lookup_max": 4}', "belong to method ngram"),
+        ('{"method": "ngram", "num_speculative_tokens": "five"}', "must be an integer"),
+    ]:
+        code, _, err = _run(capsys, "generate", "--model", str(tiny_model_dir), "--speculative-config", bad,
+                            "--prompt", "w3")
+        assert code == 2 and message in err and len(err.strip().splitlines()) == 1, err
+    code, _, err = _run(capsys, "generate", "--model", str(tiny_model_dir), "--speculative-config", config,
+                        "--method", "suffix", "--prompt", "w3")
+    assert code == 2 and "not both" in err

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import socket
 import subprocess
@@ -49,18 +50,25 @@ def _free_port() -> int:
 
 
 def start_server(method: str, model: str, k: int | None, max_batch: int, dtype: str, max_seq_len: int,
-                 drafter: Path | None = None) -> Target:
+                 drafter: Path | None = None, speculative_config: str | None = None) -> Target:
     """`specstand serve` in its own process (its own threads, so targets do not share the engine).
-    k None: the method's default (DFlash: its block size - 1)."""
+    k None: the method's default (DFlash: its block size - 1). With `speculative_config` (vLLM's JSON)
+    the server is configured by it, and `method` only names the target."""
     port = _free_port()
     log = Path(tempfile.mkstemp(prefix=f"specstand-serve-{method}-", suffix=".log")[1])
-    cmd = [sys.executable, "-m", "specstand.cli", "serve", "--model", model, "--method", method,
+    cmd = [sys.executable, "-m", "specstand.cli", "serve", "--model", model,
            "--port", str(port), "--max-batch", str(max_batch), "--dtype", dtype, "--max-seq-len", str(max_seq_len),
            "--served-model-name", model]
-    cmd += ["--k", str(k)] if k is not None else []
-    cmd += ["--drafter", str(drafter)] if drafter is not None else []
-    if k is None and method != "none":
-        k = _default_k(method, model, drafter)
+    if speculative_config is not None:
+        cmd += ["--speculative-config", speculative_config]
+        config = json.loads(speculative_config)
+        k = config.get("num_speculative_tokens") or 5
+    else:
+        cmd += ["--method", method]
+        cmd += ["--k", str(k)] if k is not None else []
+        cmd += ["--drafter", str(drafter)] if drafter is not None else []
+        if k is None and method != "none":
+            k = _default_k(method, model, drafter)
     with log.open("w") as sink:
         process = subprocess.Popen(cmd, stdout=sink, stderr=subprocess.STDOUT, env=os.environ.copy())
     return Target(method, f"http://127.0.0.1:{port}", k if method != "none" else None, process, log)

@@ -59,6 +59,23 @@ def test_every_drafter_is_token_identical_to_plain_greedy(family, dtype, forward
         assert accepted > 0, f"{method} never had a draft accepted: the test would not exercise verification"
 
 
+@pytest.mark.parametrize("forward", [FORWARDS[0], FORWARDS[-1]])  # the Python forward and the best kernels
+@pytest.mark.parametrize("family", FAMILIES)
+def test_batched_drafting_over_long_prompts_sharing_a_head(family, forward):
+    """Batch 3, prompts of three prefill blocks whose first two are shared (reused from the cache while
+    other requests decode): every training-free drafter answers as each prompt does alone."""
+    model = tiny_decoder(family, DTYPES["fp32" if forward == "python" else "bf16"], forward=forward)
+    head = random_prompts(1, 150, seed=30)[0]
+    prompts = [head + tail for tail in random_prompts(5, 20, seed=31)]
+    alone = [_outputs(_engine(model, None), [p], 32)[0] for p in prompts]
+    for method in DRAFTERS:
+        engine = _engine(model, make_drafter(method), max_batch=3)
+        results = engine.generate([Request(p, 32) for p in prompts])
+        assert [r.output_ids for r in results] == alone, method
+        assert sum(r.stats.cached_prompt_tokens for r in results) >= 4 * 128  # the head came from the cache
+        assert sum(r.stats.accepted_tokens for r in results) > 0, method
+
+
 @pytest.mark.parametrize(("dtype", "forward"), NUMERICS)
 def test_alternating_drafted_and_undrafted_steps(dtype, forward):
     model = tiny_decoder("qwen3", DTYPES[dtype], forward=forward)

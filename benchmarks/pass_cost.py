@@ -24,6 +24,7 @@ from specstand.drafters import make_drafter
 from specstand.engine import Engine, EngineConfig, Request
 from specstand.models import load_model
 from specstand.runner import PassInput, TargetRunner
+from specstand.runner.runner import PREFILL_BLOCK, PROMPT_CHUNK
 
 ROWS = (1, 2, 4, 8, 16, 32, 64)
 PROMPT = "Return a JSON object with the keys name, city and age for a 30-year-old called Ana from Porto."
@@ -163,7 +164,7 @@ def main() -> None:
             f"{ours * 1e3 / roofline:10.2f} | {theirs * 1e3:8.1f} | {theirs / ours:14.2f}")
     if args.profile and splits:
         say()
-        say("rows | linears ms | attention ms | head ms | rest ms   (inside a compiled pass)")
+        say("rows | linears ms | attention ms | head ms | rest ms   (inside a compiled pass; means of the repeats)")
         for rows, split in splits.items():
             say(f"{rows:4d} | {split['linear'] * 1e3:10.1f} | {split['attention'] * 1e3:12.1f} | "
                 f"{split['head'] * 1e3:7.1f} | {split['other'] * 1e3:7.1f}")
@@ -179,7 +180,8 @@ def main() -> None:
     runner.compiled_prompts = compiled is not None and compiled.fast_for_prompts
     used = "compiled" if runner.compiled_prompts else "torch"
     measured = ", ".join(f"{name} {rate:.0f} tokens/s" for name, rate in rates.items())
-    say(f"prompt (512 tokens, 64-row blocks): {measured}; the engine uses {used} on this path")
+    say(f"prompt (512 tokens; compiled: {PROMPT_CHUNK}-row passes, torch: {PREFILL_BLOCK}-row blocks): {measured}; "
+        f"the engine uses {used} on this path")
     ours = decode_tokens_per_second(loaded, prompt_ids, args.tokens)
     floor_tps = 1e3 / floor_ms
     say(f"plain decode: specstand {ours:.1f} tok/s = {ours / floor_tps:.0%} of the weight-read floor "

@@ -13,7 +13,7 @@ MAX_TOKENS="${MAX_TOKENS:-48}"
 USERS="${USERS:-1,4}"
 REPEATS="${REPEATS:-2}"
 PEERS="${PEERS:-vllm hf}"
-OUT="${OUT:-$ROOT/benchmarks/results/side_by_side_${MODEL}}"
+OUT="${OUT:-benchmarks/results/side_by_side_${MODEL}}"  # relative: reports carry no path of this machine
 mkdir -p "$OUT"
 
 model_dir="$("$SPEC" models fetch "$MODEL")"

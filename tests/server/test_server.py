@@ -77,21 +77,29 @@ def test_concurrent_requests_share_passes_and_match_single_runs(server):
         return reply.model_extra["specstand"]["token_ids"]
 
     passes = [0]
-    run = server.worker.engine.runner.run
+    run, step = server.worker.engine.runner.run, server.worker.engine.step
 
     def counted(*args, **kwargs):
         passes[0] += not kwargs.get("prefill")
         return run(*args, **kwargs)
 
+    def gated_step():  # the concurrent requests all arrive before the engine moves: a fixed schedule
+        deadline = time.time() + 30
+        while len(server.worker._tickets) < len(PROMPTS) and time.time() < deadline:
+            time.sleep(0.01)
+        server.worker.engine.step = step  # once
+        return step()
+
     server.worker.engine.runner.run = counted
     try:
         single = [ask(p) for p in PROMPTS]
         alone = passes[0]
+        server.worker.engine.step = gated_step
         with ThreadPoolExecutor(len(PROMPTS)) as pool:
             together = list(pool.map(ask, PROMPTS))
         shared = passes[0] - alone
     finally:
-        server.worker.engine.runner.run = run
+        server.worker.engine.runner.run, server.worker.engine.step = run, step
     assert together == single
     # batched: decode passes carried several requests (3 slots for 5 requests: well under the sum)
     assert shared < 0.75 * alone, (shared, alone)

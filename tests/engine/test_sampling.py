@@ -1,6 +1,7 @@
 """Sampled decoding through the whole engine reproduces the target's law, with and without a drafter: the
-joint distribution of the first two answer tokens (temperature, top-k and top-p applied) against the
-exact one computed from the target's logits. Fixed seeds: the test's outcome is deterministic."""
+joint distribution of the first three answer tokens (temperature, top-k and top-p applied) against the
+exact one computed from the target's logits. With the drafter, the third token is often the bonus token
+of a pass whose draft was accepted. Fixed seeds: the test's outcome is deterministic."""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ from specstand.verification import SamplingParams, target_probs
 from tests.conftest import FORWARDS, random_prompts, tiny_decoder
 
 PARAMS = {"temperature": 0.9, "top_k": 4, "top_p": 0.95}
-SAMPLES = 1500
+SAMPLES = 2000
 
 
 def chi2_critical(dof: int, z: float = 3.0902) -> float:
@@ -40,37 +41,44 @@ class FixedDrafter(Drafter):
         return Draft([self.second[seq.token_ids[-1]]])
 
 
-def exact_joint(model, prompt: list[int], params: SamplingParams) -> dict[tuple[int, int], float]:
-    """p(a | prompt) p(b | prompt, a) over the support, from the same runner the engine uses."""
+def exact_joint(model, prompt: list[int], params: SamplingParams) -> dict[tuple[int, ...], float]:
+    """p(a | prompt) p(b | prompt, a) p(c | prompt, a, b) over the support, from the runner the engine uses."""
     runner = TargetRunner(model, 1, 128)
     slot = runner.cache.allocate()
+
+    def law(tokens: list[int]):
+        runner.cache.rollback(slot, len(prompt))
+        logits = runner.run([PassInput(slot, tokens)], len(tokens))[0].logits[-1]
+        return target_probs(logits, params)
+
     first = target_probs(runner.prefill(slot, prompt).logits[-1], params)
     joint = {}
     for a in torch.nonzero(first).flatten().tolist():
-        runner.cache.rollback(slot, len(prompt))
-        second = target_probs(runner.run([PassInput(slot, [a])], 1)[0].logits[-1], params)
+        second = law([a])
         for b in torch.nonzero(second).flatten().tolist():
-            joint[a, b] = float(first[a] * second[b])
+            third = law([a, b])
+            for c in torch.nonzero(third).flatten().tolist():
+                joint[a, b, c] = float(first[a] * second[b] * third[c])
     return joint
 
 
-@pytest.mark.parametrize("forward", [FORWARDS[0], FORWARDS[-1]])  # the Python forward and the best kernels
-@pytest.mark.parametrize("drafted", [False, True])
+# plain sampling once; with drafts on the Python forward and on the best kernel path
+@pytest.mark.parametrize(("drafted", "forward"), [(False, FORWARDS[0]), (True, FORWARDS[0]), (True, FORWARDS[-1])])
 def test_engine_samples_the_targets_joint_law(drafted, forward):
     model = tiny_decoder("llama", torch.bfloat16 if forward != "python" else torch.float32, forward=forward)
     prompt = random_prompts(1, 20, seed=8)[0]
     params = SamplingParams(**PARAMS)
     joint = exact_joint(model, prompt, params)
     best: dict[int, tuple[float, int]] = {}
-    for (a, b), p in joint.items():
+    for (a, b, _), p in joint.items():
         best[a] = max(best.get(a, (0.0, b)), (p, b))
     drafter = FixedDrafter({a: b for a, (_, b) in best.items()}) if drafted else None
-    engine = Engine(model, drafter, EngineConfig(2, 128, 8))
+    engine = Engine(model, drafter, EngineConfig(2, 128, 16))
     # three tokens asked, so the second step may carry a draft (a pass never drafts past max_tokens)
     results = engine.generate([Request(prompt, 3, SamplingParams(**PARAMS, seed=seed)) for seed in range(SAMPLES)])
-    counts: dict[tuple[int, int], int] = {}
+    counts: dict[tuple[int, ...], int] = {}
     for result in results:
-        key = tuple(result.output_ids[:2])
+        key = tuple(result.output_ids[:3])
         assert key in joint, f"sampled {key}, which has probability 0"
         counts[key] = counts.get(key, 0) + 1
     if drafted:

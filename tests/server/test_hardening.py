@@ -11,6 +11,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
+import openai
 import pytest
 
 from specstand.drafters import Draft, SequenceView
@@ -229,3 +230,27 @@ def test_deadline_and_health_tell_the_truth(tiny_model_dir):
     finally:
         release.set()
         live.close()
+
+
+def test_an_agent_loop_through_the_openai_client(server):
+    """What an agent sends with the official client: tools offered, the assistant's tool call and the tool's
+    result sent back (content None beside tool_calls), streaming and not."""
+    served = server.client.models.list().data[0].id
+    tools = [{"type": "function", "function": {"name": "lookup", "description": "w5 w6",
+                                               "parameters": {"type": "object", "properties": {}}}}]
+    messages = [
+        {"role": "system", "content": "w1 w2"},
+        {"role": "user", "content": [{"type": "text", "text": "w3 w4"}]},
+        {"role": "assistant", "content": None, "tool_calls": [
+            {"id": "call_1", "type": "function", "function": {"name": "lookup", "arguments": "{}"}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "w7 w8"},
+    ]
+    reply = server.client.chat.completions.create(model=served, messages=messages, tools=tools, tool_choice="auto",
+                                                  max_tokens=8, temperature=0, seed=5)
+    text = reply.choices[0].message.content
+    assert reply.choices[0].finish_reason in ("stop", "length") and text is not None
+    chunks = server.client.chat.completions.create(model=served, messages=messages, tools=tools, max_tokens=8,
+                                                   temperature=0, stream=True)
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == text
+    with pytest.raises(openai.BadRequestError, match="logprobs"):
+        server.client.chat.completions.create(model=served, messages=messages, max_tokens=4, logprobs=True)

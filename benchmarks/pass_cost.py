@@ -13,7 +13,10 @@ measured in the same run; each pass prints its roofline max(weight bytes / bandw
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
+import subprocess
+import tempfile
 import time
 from pathlib import Path
 
@@ -23,6 +26,7 @@ from specstand import kernels
 from specstand.drafters import make_drafter
 from specstand.engine import Engine, EngineConfig, Request
 from specstand.models import load_model
+from specstand.models.presets import PRESETS, download_gguf
 from specstand.runner import PassInput, TargetRunner
 from specstand.runner.runner import PREFILL_BLOCK, PROMPT_CHUNK
 
@@ -87,12 +91,6 @@ def hf_tokens_per_second(path: str, prompt_ids: list[int], tokens: int) -> float
 def llama_cpp_figures(python: str, model: str, prompt_text: str, tokens: int, threads: int) -> tuple[dict, int]:
     """benchmarks/peers/llama_cpp_bench.py run by `python` (one with llama-cpp-python) on the preset's own
     GGUF; returns its figures and the GGUF's size in bytes."""
-    import json
-    import subprocess
-    import tempfile
-
-    from specstand.models.presets import PRESETS, download_gguf
-
     with tempfile.TemporaryDirectory() as work:
         gguf, prompt_file = Path(work) / "model.gguf", Path(work) / "prompt.txt"
         download_gguf(PRESETS[model], Path(work), gguf, log=lambda _: None)

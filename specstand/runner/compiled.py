@@ -2,8 +2,8 @@
 
 `DecoderModel` (transformer.py) stays the readable reference. Decode and verify rows run here: every op
 is row-local with a fixed reduction order, so a row's logits are bit-identical whether it is alone in its
-pass or one of U users x (K + 1) rows, and no padding is needed (`row_unit` 1). Prompt blocks run here too
-where the path has bf16 dot-product instructions (amx, avx512bf16: a 64-row block costs a few decode
+pass or one of U users x (K + 1) rows, and no padding is needed (`row_unit` 1). Prompts run here too
+where the path has bf16 dot-product instructions (amx, avx512bf16: a 512-row pass costs a few decode
 steps); on avx2 and scalar they stay on torch's GEMMs, which are faster there for whole blocks.
 """
 

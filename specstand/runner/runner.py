@@ -39,8 +39,8 @@ class TargetRunner:
             raise ValueError(f"cache capacity {capacity} exceeds the model's {model.max_positions} positions")
         s = model.shape
         self.model = model
-        # passes run the model's compiled forward where it has one; prompts too where its path is fast at
-        # 64-row blocks (bf16 dot-product instructions), else torch's GEMMs
+        # passes run the model's compiled forward where it has one; prompts too where its path is fast for
+        # many rows (bf16 dot-product instructions), else torch's GEMMs
         self.compiled: CompiledDecoder | None = model.compiled
         self.compiled_prompts = self.compiled is not None and self.compiled.fast_for_prompts
         self.capacity = capacity
@@ -62,8 +62,8 @@ class TargetRunner:
                 raise ValueError(f"a pass needs 1..{width} tokens per request, got {len(item.tokens)}")
             if start + width > self.cache.capacity:  # padding rows may use the bucket's tail
                 raise ValueError(f"slot {item.slot} would exceed the cache capacity {self.capacity}")
-        if self.compiled is not None and (self.compiled_prompts or not prefill):
-            return self._run_compiled(inputs, starts, tap_layers, "last" if prefill else "all")
+        if self.compiled is not None and not prefill:  # compiled prompts go through prefill() directly
+            return self._run_compiled(inputs, starts, tap_layers, "all")
         rows = [item.tokens + [item.tokens[-1]] * (width - len(item.tokens)) for item in inputs]
         logits, taps = self.model.forward(
             torch.tensor(rows), starts, [item.slot for item in inputs],

@@ -390,34 +390,32 @@ def create_app(model: LoadedModel, worker: EngineWorker, served_name: str,
 
 
 class _Answer:
-    """The text of an answer as tokens arrive, cut at the first stop string."""
+    """The text of an answer as tokens arrive (decoded once per event), cut at the first stop string."""
 
     def __init__(self, model: LoadedModel, stops: list[str]) -> None:
         self.model, self.stops = model, stops
         self.token_ids: list[int] = []
         self.stopped = False
+        self._text = ""  # the decoded answer so far, cut at a stop string once one appears
         self._sent = ""
 
     def add(self, event: StepEvent) -> None:
         if self.stopped:
             return
         self.token_ids.extend(event.new_tokens)
-        if self.stops and self._cut(self.model.decode(self.token_ids)) is not None:
+        self._text = self.model.decode(self.token_ids)
+        found = [self._text.find(s) for s in self.stops if s in self._text]
+        if found:
             self.stopped = True
-
-    def _cut(self, text: str) -> int | None:
-        found = [text.find(s) for s in self.stops if s in text]
-        return min(found) if found else None
+            self._text = self._text[: min(found)]
 
     def text(self) -> str:
-        text = self.model.decode(self.token_ids)
-        cut = self._cut(text)
-        return text if cut is None else text[:cut]
+        return self._text
 
     def new_text(self, final: bool) -> str | None:
         """What is new since the last call; None while the text ends inside a multi-byte character (or
         could still turn into a stop string) and more is coming."""
-        text = self.text()
+        text = self._text
         if not final and not self.stopped:
             if text.endswith("\ufffd"):
                 return None

@@ -114,10 +114,8 @@ __attribute__((target("avx512f"))) static void attend_group16(const float* q, fl
       _mm512_storeu_ps(s + block, weight);
       total = _mm512_add_ps(total, weight);
     }
-    alignas(64) float lanes[16];
-    _mm512_store_ps(lanes, total);
     v16f t;
-    std::memcpy(&t, lanes, sizeof(t));
+    std::memcpy(&t, &total, sizeof(t));
     inverse_sum[g] = 1.0f / v16_sum(t);
   }
   constexpr int H = DC >= 16 ? 1 : DC >= 8 ? 2 : DC >= 4 ? 6 : 8;  // H * DC accumulators in 32 registers
@@ -128,7 +126,7 @@ __attribute__((target("avx512f"))) static void attend_group16(const float* q, fl
 
 __attribute__((target_clones("avx2", "default"), flatten)) static void attend_group8(
     const float* q, float* out, int64_t group, int64_t slot, int64_t kv, int64_t length, const CacheView& cache,
-    float scale, std::vector<float>& scores, std::vector<float>& acc) {
+    float scale, std::vector<float>& scores) {
   const int64_t dim = cache.head_dim, padded = (length + 7) / 8 * 8;
   scores.assign(group * padded, 0.0f);
   for (int64_t j = 0; j < length; ++j) {
@@ -155,7 +153,6 @@ __attribute__((target_clones("avx2", "default"), flatten)) static void attend_gr
     }
     inverse_sum[g] = 1.0f / v8_sum(total);
   }
-  acc.assign(group * dim, 0.0f);
   for (int64_t g = 0; g < group; ++g)
     for (int64_t d = 0; d < dim; d += 8) {  // one 8-wide accumulator in a register over all keys
       v8f sum = v8_splat(0.0f);
@@ -200,7 +197,7 @@ void decode_attention(Isa isa, const float* q, int64_t q_stride, float* out, int
   const bool wide = use_avx512(isa, dim, group);
   const std::vector<AttentionTask> tasks = plan_tasks(rows, slots, cache.kv_heads);
   at::parallel_for(0, int64_t(tasks.size()), 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> scores, acc;
+    std::vector<float> scores;
     for (int64_t t = begin; t < end; ++t) {
       const int64_t kv = tasks[t].kv, head0 = kv * group * dim;
       for (int64_t r = tasks[t].first; r < tasks[t].last; ++r) {
@@ -208,7 +205,7 @@ void decode_attention(Isa isa, const float* q, int64_t q_stride, float* out, int
         const float* qr = q + r * q_stride + head0;
         float* o = out + r * width + head0;
         if (!wide) {
-          attend_group8(qr, o, group, slots[r], kv, length, cache, scale, scores, acc);
+          attend_group8(qr, o, group, slots[r], kv, length, cache, scale, scores);
           continue;
         }
         switch (dim) {

@@ -1,7 +1,7 @@
 // The decode/verify forward of a Llama/Qwen-family decoder in one call: embedding, every layer (RMSNorm,
 // QKV, q/k norms, RoPE, cache write, attention, O-proj, residual, MLP) and the head, for rows of several
 // requests at once. The hidden state stays fp32 between ops; only the linear kernel's path decides where
-// activations are rounded (to bf16 on avx512bf16). Every op is row-local or per (row, head) with a fixed
+// activations are rounded (to bf16 on amx and avx512bf16). Every op is row-local or per (row, head) with a fixed
 // order, so a row's logits do not depend on the other rows of the pass.
 #include <torch/extension.h>
 

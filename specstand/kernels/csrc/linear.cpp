@@ -168,59 +168,62 @@ static void round_rows_to_bf16(const float* x, int64_t m, int64_t k, int64_t x_s
   });
 }
 
+// Threads split the output columns only, in groups of up to NB strips of 16: tile(s0, nb) for each group.
+// No thread ever shares a reduction over k, which is what keeps rows independent of the row count.
+template <int NB, typename Tile>
+static void for_strip_groups(const PackedLinear& w, const Tile& tile) {
+  const int64_t strips = w.n_pad / 16;
+  at::parallel_for(0, (strips + NB - 1) / NB, 1, [&](int64_t g0, int64_t g1) {
+    for (int64_t g = g0; g < g1; ++g) tile(g * NB, std::min<int64_t>(NB, strips - g * NB));
+  });
+}
+
+// fp32 rows of k_pad, zero-padded: an odd last k meets a zero weight.
+static std::vector<float> padded_rows(const float* x, int64_t m, int64_t k, int64_t x_stride, int64_t k_pad) {
+  std::vector<float> xp(m * k_pad, 0.0f);
+  for (int64_t r = 0; r < m; ++r) std::memcpy(xp.data() + r * k_pad, x + r * x_stride, k * sizeof(float));
+  return xp;
+}
+
 static void linear_avx512bf16(const PackedLinear& w, const float* x, int64_t m, int64_t x_stride, float* y,
                               int64_t y_stride) {
   std::vector<uint16_t> xb(m * w.k_pad, 0);
   round_rows_to_bf16(x, m, w.k, x_stride, xb.data(), w.k_pad);
-  constexpr int NB = 4;
-  const int64_t strips = w.n_pad / 16, groups = (strips + NB - 1) / NB;
-  at::parallel_for(0, groups, 1, [&](int64_t g0, int64_t g1) {
-    for (int64_t g = g0; g < g1; ++g) {
-      const int64_t s0 = g * NB, nb = std::min<int64_t>(NB, strips - s0);
-      run_rows<6>(m, [&](int64_t r, auto rows) {
-        constexpr int R = decltype(rows)::value;
-        const uint16_t* xr = xb.data() + r * w.k_pad;
-        float* yr = y + r * y_stride;
-        switch (nb) {
-          case 4: tile_avx512bf16<R, 4>(w, s0, xr, w.k_pad, yr, y_stride, s0 * 16); break;
-          case 3: tile_avx512bf16<R, 3>(w, s0, xr, w.k_pad, yr, y_stride, s0 * 16); break;
-          case 2: tile_avx512bf16<R, 2>(w, s0, xr, w.k_pad, yr, y_stride, s0 * 16); break;
-          default: tile_avx512bf16<R, 1>(w, s0, xr, w.k_pad, yr, y_stride, s0 * 16); break;
-        }
-      });
-    }
+  for_strip_groups<4>(w, [&](int64_t s0, int64_t nb) {
+    run_rows<6>(m, [&](int64_t r, auto rows) {
+      constexpr int R = decltype(rows)::value;
+      const uint16_t* xr = xb.data() + r * w.k_pad;
+      float* yr = y + r * y_stride;
+      switch (nb) {
+        case 4: tile_avx512bf16<R, 4>(w, s0, xr, w.k_pad, yr, y_stride, s0 * 16); break;
+        case 3: tile_avx512bf16<R, 3>(w, s0, xr, w.k_pad, yr, y_stride, s0 * 16); break;
+        case 2: tile_avx512bf16<R, 2>(w, s0, xr, w.k_pad, yr, y_stride, s0 * 16); break;
+        default: tile_avx512bf16<R, 1>(w, s0, xr, w.k_pad, yr, y_stride, s0 * 16); break;
+      }
+    });
   });
 }
 
 static void linear_avx2(const PackedLinear& w, const float* x, int64_t m, int64_t x_stride, float* y,
                         int64_t y_stride) {
-  std::vector<float> xp(m * w.k_pad, 0.0f);  // zero-padded copy: the last odd k meets a zero weight
-  for (int64_t r = 0; r < m; ++r) std::memcpy(xp.data() + r * w.k_pad, x + r * x_stride, w.k * sizeof(float));
-  constexpr int NB = 2;
-  const int64_t strips = w.n_pad / 16, groups = (strips + NB - 1) / NB;
-  at::parallel_for(0, groups, 1, [&](int64_t g0, int64_t g1) {
-    for (int64_t g = g0; g < g1; ++g) {
-      const int64_t s0 = g * NB, nb = std::min<int64_t>(NB, strips - s0);
-      run_rows<3>(m, [&](int64_t r, auto rows) {
-        constexpr int R = decltype(rows)::value;
-        const float* xr = xp.data() + r * w.k_pad;
-        if (nb == 2) {
-          tile_avx2<R, 2>(w, s0, xr, w.k_pad, y + r * y_stride, y_stride, s0 * 16);
-        } else {
-          tile_avx2<R, 1>(w, s0, xr, w.k_pad, y + r * y_stride, y_stride, s0 * 16);
-        }
-      });
-    }
+  const std::vector<float> xp = padded_rows(x, m, w.k, x_stride, w.k_pad);
+  for_strip_groups<2>(w, [&](int64_t s0, int64_t nb) {
+    run_rows<3>(m, [&](int64_t r, auto rows) {
+      constexpr int R = decltype(rows)::value;
+      const float* xr = xp.data() + r * w.k_pad;
+      if (nb == 2) {
+        tile_avx2<R, 2>(w, s0, xr, w.k_pad, y + r * y_stride, y_stride, s0 * 16);
+      } else {
+        tile_avx2<R, 1>(w, s0, xr, w.k_pad, y + r * y_stride, y_stride, s0 * 16);
+      }
+    });
   });
 }
 
 static void linear_scalar(const PackedLinear& w, const float* x, int64_t m, int64_t x_stride, float* y,
                           int64_t y_stride) {
-  std::vector<float> xp(m * w.k_pad, 0.0f);
-  for (int64_t r = 0; r < m; ++r) std::memcpy(xp.data() + r * w.k_pad, x + r * x_stride, w.k * sizeof(float));
-  at::parallel_for(0, w.n_pad / 16, 1, [&](int64_t s0, int64_t s1) {
-    for (int64_t s = s0; s < s1; ++s) tile_scalar(w, s, xp.data(), w.k_pad, m, y, y_stride);
-  });
+  const std::vector<float> xp = padded_rows(x, m, w.k, x_stride, w.k_pad);
+  for_strip_groups<1>(w, [&](int64_t s, int64_t) { tile_scalar(w, s, xp.data(), w.k_pad, m, y, y_stride); });
 }
 
 // ---- amx: 16 rows x 16 columns per accumulator tile, 32 k per tdpbf16ps -----------------------------------

@@ -11,7 +11,7 @@ from __future__ import annotations
 import contextlib
 import random
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -51,6 +51,9 @@ class _Running:
     slot: int
     generator: torch.Generator
     stats: DecodeStats
+    # tapped hidden rows of the positions its decode passes kept, in order (kept only where a finished
+    # request's answer stays reusable: see Engine._reuse_answers)
+    answer_taps: list[dict[int, torch.Tensor]] = field(default_factory=list)
 
     @property
     def emitted(self) -> int:
@@ -79,10 +82,17 @@ class Engine:
                 "this machine's kernels round differently for different pass shapes even when padded; "
                 "exact greedy decoding is not possible here (run without exact mode)"
             )
-        self._prompts: dict[int, list[int]] = {}  # slot -> the prompt whose K/V it holds from prefill
-        # slot -> the target's tapped hidden states of that prompt: a drafter that reads them gets the whole
-        # prompt even when its head came from the cache (reused blocks compute bit-identically anyway)
-        self._prompt_taps: dict[int, dict[int, torch.Tensor]] = {}
+        # Prefix reuse. Where prompt rows compute exactly as decode rows (the compiled forward takes prompts),
+        # any cached head is reusable, a finished request's answer included; elsewhere only whole prefill
+        # blocks of a prompt are (decode passes round differently from torch's prompt GEMMs).
+        self._reuse_answers = self.runner.compiled_prompts
+        self._reuse_unit = 1 if self._reuse_answers else PREFILL_BLOCK
+        self._cached: dict[int, list[int]] = {}  # slot -> the tokens whose K/V its first positions hold
+        # slot -> the target's tapped hidden states of those tokens: a drafter that reads them gets the whole
+        # prompt even when its head came from the cache (reused positions compute bit-identically anyway)
+        self._cached_taps: dict[int, dict[int, torch.Tensor]] = {}
+        self._last_use: dict[int, int] = {}  # slot -> when its request ended (free slots are evicted LRU)
+        self._clock = 0
         self._waiting: deque[tuple[int, Request]] = deque()
         self._running: dict[int, _Running] = {}
         self._next_id = 0
@@ -118,8 +128,8 @@ class Engine:
         for request_id in list(self._running):
             self.abort(request_id)
         self._waiting.clear()
-        self._prompts.clear()
-        self._prompt_taps.clear()
+        self._cached.clear()
+        self._cached_taps.clear()
 
     def generate(self, requests: list[Request]) -> list[GenerationResult]:
         ids = [self.add_request(r) for r in requests]
@@ -147,6 +157,8 @@ class Engine:
                 cache_start = len(state.seq.token_ids) - 1
                 self.runner.cache.rollback(state.slot, cache_start + 1 + verdict.accepted)  # pending + accepted
                 hidden = HiddenRows(cache_start, {k: t[: verdict.accepted + 1] for k, t in output.taps.items()})
+                if self._reuse_answers and self.tap_layers:
+                    state.answer_taps.append(hidden.taps)
                 events.append(self._emit(request_id, state, verdict, len(draft.tokens), hidden))
             except Exception as error:  # noqa: BLE001
                 events.append(self._fail(request_id, state, error))
@@ -181,6 +193,7 @@ class Engine:
     def _fail(self, request_id: int, state: _Running, error: Exception) -> StepEvent:
         """Finish one request with its error and free its slot."""
         self._running.pop(request_id, None)
+        self._forget(state.slot)
         self.runner.cache.release(state.slot)
         if self.drafter is not None:
             with contextlib.suppress(Exception):  # the request has failed already; whatever it held goes
@@ -193,8 +206,7 @@ class Engine:
         events = []
         while self._waiting and self.runner.cache.free_slots:
             request_id, request = self._waiting.popleft()
-            slot, reused, donor = self._reusable_slot(request.prompt_ids)
-            self._prompts.pop(slot, None)  # its K/V above `reused` are about to change
+            slot, reused, head_taps = self._reusable_slot(request.prompt_ids)
             seed = request.sampling.seed if request.sampling.seed is not None else random.getrandbits(63)
             state = _Running(
                 request=request,
@@ -208,51 +220,55 @@ class Engine:
                 if self.drafter is not None:
                     self.drafter.begin(state.seq)
                 prefill = self.runner.prefill(slot, request.prompt_ids, self.tap_layers)
-                self._prompts[slot] = list(request.prompt_ids)
-                taps = self._whole_prompt_taps(slot, donor, reused, prefill.taps)
+                self._cached[slot] = list(request.prompt_ids)
+                taps = self._whole_prompt_taps(slot, head_taps, prefill.taps)
                 verdict = self._verify(state, Draft([]), prefill.logits)
                 events.append(self._emit(request_id, state, verdict, 0, HiddenRows(0, taps)))
             except Exception as error:  # noqa: BLE001 - this prompt failed; the next may not
-                self._prompts.pop(slot, None)
-                self._prompt_taps.pop(slot, None)
                 events.append(self._fail(request_id, state, error))
         return events
 
-    def _whole_prompt_taps(self, slot: int, donor: int | None, reused: int,
+    def _whole_prompt_taps(self, slot: int, head: dict[int, torch.Tensor],
                            computed: dict[int, torch.Tensor]) -> dict[int, torch.Tensor]:
         if not self.tap_layers:
             return {}
-        head = self._prompt_taps.get(donor, {}) if reused else {}
-        taps = {k: torch.cat([head[k][:reused], t]) if reused else t for k, t in computed.items()}
-        self._prompt_taps[slot] = taps
+        taps = {k: torch.cat([head[k], t]) if head else t for k, t in computed.items()}
+        self._cached_taps[slot] = taps
         return taps
 
-    def _reusable_slot(self, prompt: list[int]) -> tuple[int, int, int | None]:
-        """Pick a free slot for `prompt` and fill it with the longest cached prompt head of any slot (free or
-        running: positions below a slot's prompt length only ever hold its prefill K/V). Returns the slot,
-        how many positions it holds (whole prefill blocks only, never the last prompt token: its logits are
-        needed) and the slot they came from. Positions computed by decode passes are never reused, since
-        they round differently."""
+    def _reusable_slot(self, prompt: list[int]) -> tuple[int, int, dict[int, torch.Tensor]]:
+        """Pick a free slot for `prompt` and fill it with the longest cached head of any slot (a free slot's
+        cached tokens, or a running slot's prompt: positions below it only ever hold its prefill K/V).
+        Returns the slot, how many positions it holds (never the last prompt token: its logits are needed;
+        whole prefill blocks where those are the unit of exactness) and their tapped hidden states."""
         free = self.runner.cache.free_slot_ids
         donor, common = None, 0
         if self.config.prefix_reuse:
-            for slot, cached in self._prompts.items():
+            for slot, cached in self._cached.items():
                 n = _common_prefix(cached, prompt)
                 if n > common or (n == common and n and slot in free):
                     donor, common = slot, n
-        reuse = min(common, len(prompt) - 1) // PREFILL_BLOCK * PREFILL_BLOCK
-        if reuse and donor in free:
-            self.runner.cache.allocate(donor)
-            self.runner.cache.rollback(donor, reuse)
-            return donor, reuse, donor
-        # prefer a slot whose cached prompt nobody is likely to want: one without any
-        target = next((slot for slot in reversed(free) if slot not in self._prompts), free[-1])
+        reuse = min(common, len(prompt) - 1) // self._reuse_unit * self._reuse_unit
+        others = [slot for slot in free if slot != donor]
+        # take the donor itself where that loses nothing it cached, or no other slot is free
+        if reuse and donor in free and (len(self._cached[donor]) <= reuse or not others):
+            target = donor
+        else:
+            # evict what is least likely to be wanted: a slot with nothing cached, else the longest unused
+            target = min(others or free, key=lambda slot: (slot in self._cached, self._last_use.get(slot, -1)))
         self.runner.cache.allocate(target)
-        self._prompts.pop(target, None)
-        self._prompt_taps.pop(target, None)
-        if reuse:
+        if reuse and target != donor:
             self.runner.cache.copy_prefix(donor, target, reuse)
-        return target, reuse, donor
+        else:
+            self.runner.cache.rollback(target, reuse)
+        head_taps = {k: t[:reuse] for k, t in self._cached_taps.get(donor, {}).items()} if reuse else {}
+        self._forget(target)  # its K/V above `reuse` are about to change
+        return target, reuse, head_taps
+
+    def _forget(self, slot: int) -> None:
+        self._cached.pop(slot, None)
+        self._cached_taps.pop(slot, None)
+        self._last_use.pop(slot, None)
 
     def _propose(self, state: _Running) -> Draft:
         # never draft past max_tokens: the pass emits accepted drafts + 1 target token
@@ -297,6 +313,17 @@ class Engine:
         return StepEvent(request_id, tokens, result)
 
     def _release(self, state: _Running) -> None:
-        self.runner.cache.release(state.slot)
+        """Free a finished or aborted request's slot. Where answers are reusable, the slot keeps its prompt
+        and answer as a cached head (positions below the cache length hold the K/V of those tokens)."""
+        slot = state.slot
+        if self._reuse_answers and slot in self._cached:
+            held = min(self.runner.cache.lengths[slot], len(state.seq.token_ids))
+            self._cached[slot] = state.seq.token_ids[:held]
+            if self.tap_layers:
+                parts = [self._cached_taps[slot], *state.answer_taps]
+                self._cached_taps[slot] = {k: torch.cat([p[k] for p in parts])[:held] for k in self.tap_layers}
+        self._clock += 1
+        self._last_use[slot] = self._clock
+        self.runner.cache.release(slot)
         if self.drafter is not None:
             self.drafter.end(state.seq)

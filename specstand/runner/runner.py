@@ -100,10 +100,11 @@ class TargetRunner:
         return outputs
 
     def prefill(self, slot: int, tokens: list[int], tap_layers: tuple[int, ...] = ()) -> PassOutput:
-        """Compute the prompt `tokens` from the slot's current length (a multiple of PREFILL_BLOCK: a reused
-        prefix) on; returns the logits of its last position and the taps of the computed positions."""
+        """Compute the prompt `tokens` from the slot's current length (a reused head: any length where
+        prompts run compiled, else a multiple of PREFILL_BLOCK) on; returns the logits of its last position
+        and the taps of the computed positions."""
         start = self.cache.lengths[slot]
-        if start % PREFILL_BLOCK or start >= len(tokens):
+        if start >= len(tokens) or (start % PREFILL_BLOCK and not self.compiled_prompts):
             raise ValueError(f"a prompt prefill must start on a block boundary before its end, not at {start}")
         if self.compiled_prompts:
             if len(tokens) > self.capacity:

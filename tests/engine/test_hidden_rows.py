@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from specstand.drafters import Draft, Drafter, HiddenRows, SequenceView
 from specstand.engine import Engine, EngineConfig, Request
-from tests.conftest import random_prompts, tiny_decoder
+from tests.conftest import FORWARDS, random_prompts, tiny_decoder
 
 
 class Recorder(Drafter):
@@ -39,6 +40,26 @@ def test_drafters_get_the_whole_prompt_even_when_its_head_is_reused():
     assert prefill.start == 0 and prefill.rows == len(second)
     for layer in Recorder.tap_layers:
         assert torch.equal(prefill.taps[layer], expected.taps[layer])
+
+
+@pytest.mark.parametrize("forward", FORWARDS)
+def test_drafters_get_the_whole_prompt_when_a_cached_answer_is_reused(forward):
+    decoder = tiny_decoder("llama", torch.bfloat16, forward=forward)
+    first = random_prompts(1, 40, seed=4)[0]
+    reused = Recorder()
+    engine = Engine(decoder, reused, EngineConfig(3, 512, 1))
+    answer = engine.generate([Request(first, 12)])[0].output_ids
+    second = first + answer + [5, 6]
+    result = engine.generate([Request(second, 6)])[0]
+    fresh = Recorder()
+    Engine(decoder, fresh, EngineConfig(3, 512, 1, prefix_reuse=False)).generate([Request(second, 6)])
+    if engine.runner.compiled_prompts:
+        # all but the last answer token, which no pass computed unless it was an accepted draft
+        assert result.stats.cached_prompt_tokens in (len(first) + len(answer) - 1, len(first) + len(answer))
+    prefill = next(h for rid, _, h in reused.seen if rid == result.request_id)
+    assert prefill.start == 0 and prefill.rows == len(second)
+    for layer in Recorder.tap_layers:
+        assert torch.equal(prefill.taps[layer], fresh.seen[0][2].taps[layer])
 
 
 def test_decode_rows_cover_the_pending_token_and_the_accepted_drafts():

@@ -160,10 +160,39 @@ def test_prefix_reuse_is_exact(dtype, forward):
     warm = _engine(model, make_drafter("ngram"))
     warm.generate([Request(first, 30)])
     reused = warm.generate([Request(second, 30)])[0]
-    assert reused.stats.cached_prompt_tokens == 128  # two whole prefill blocks of the shared head
+    # where prompts run compiled any head is reusable; elsewhere whole prefill blocks of it
+    assert reused.stats.cached_prompt_tokens == (140 if warm.runner.compiled_prompts else 128)
     fresh = _engine(model, make_drafter("ngram")).generate([Request(second, 30)])[0]
     assert fresh.stats.cached_prompt_tokens == 0
     assert reused.output_ids == fresh.output_ids
+
+
+@pytest.mark.parametrize("forward", FORWARDS)
+def test_a_finished_answer_is_reused_by_the_next_call(forward):
+    """An agent's next call extends the last prompt with its answer: where prompts run compiled (prompt
+    rows compute like decode rows), those answer positions come from the cache too, and nothing changes."""
+    model = tiny_decoder("llama", torch.bfloat16, forward=forward)
+    first = random_prompts(1, 70, seed=23)[0]
+    engine = _engine(model, make_drafter("suffix"))
+    answer = engine.generate([Request(first, 20)])[0].output_ids
+    second = first + answer + [7, 8, 9]
+    reused = engine.generate([Request(second, 20)])[0]
+    # all but the last answer token, which no pass computed unless it was an accepted draft
+    expected = (len(first) + len(answer) - 1, len(first) + len(answer)) if engine.runner.compiled_prompts else (64,)
+    assert reused.stats.cached_prompt_tokens in expected
+    assert reused.output_ids == _engine(model, make_drafter("suffix")).generate([Request(second, 20)])[0].output_ids
+
+
+@pytest.mark.parametrize("forward", FORWARDS)
+def test_a_longer_cached_head_is_not_overwritten_by_a_shorter_reuse(forward):
+    model = tiny_decoder("llama", torch.bfloat16, forward=forward)
+    head = random_prompts(1, 130, seed=24)[0]
+    long, short = head + random_prompts(1, 70, seed=25)[0], head + [3]
+    engine = _engine(model, None, max_batch=2)
+    engine.generate([Request(long, 4)])
+    engine.generate([Request(short, 4)])  # reuses the head; must copy it, not take the long prompt's slot
+    again = engine.generate([Request(long, 4)])[0]
+    assert again.stats.cached_prompt_tokens == (len(long) - 1 if engine.runner.compiled_prompts else 192)
 
 
 def test_prefix_is_copied_from_a_running_request():

@@ -18,9 +18,9 @@ import torch
 from specstand.drafters import Draft, Drafter, HiddenRows, SequenceView
 from specstand.engine.request import GenerationResult, Request, StepEvent
 from specstand.engine.stats import DecodeStats
-from specstand.runner import PassInput, TargetRunner
+from specstand.runner import PassInput, PassOutput, TargetRunner
 from specstand.runner.exactness import row_unit
-from specstand.runner.runner import PREFILL_BLOCK
+from specstand.runner.runner import PREFILL_BLOCK, PROMPT_CHUNK
 from specstand.runner.transformer import DecoderModel
 from specstand.verification import Verdict, target_probs, verify_greedy, verify_sampled
 
@@ -45,15 +45,35 @@ class ExactnessError(RuntimeError):
 
 
 @dataclass
+class _Work:
+    """One request's rows in a shared pass: a draft to verify, or (draft None) a chunk of its prompt."""
+
+    request_id: int
+    state: _Running
+    tokens: list[int]
+    draft: Draft | None
+
+    @property
+    def last_of_prompt(self) -> bool:
+        return self.draft is None and self.state.prompt_done + len(self.tokens) == self.state.seq.prompt_len
+
+
+@dataclass
 class _Running:
     request: Request
     seq: SequenceView
     slot: int
     generator: torch.Generator
     stats: DecodeStats
+    prompt_done: int = 0  # prompt positions whose K/V are cached; the request decodes once all are
+    prompt_taps: list[dict[int, torch.Tensor]] = field(default_factory=list)  # tapped rows of those, in order
     # tapped hidden rows of the positions its decode passes kept, in order (kept only where a finished
     # request's answer stays reusable: see Engine._reuse_answers)
     answer_taps: list[dict[int, torch.Tensor]] = field(default_factory=list)
+
+    @property
+    def decoding(self) -> bool:
+        return self.prompt_done == self.seq.prompt_len
 
     @property
     def emitted(self) -> int:
@@ -141,53 +161,108 @@ class Engine:
         return [results[i] for i in ids]
 
     def step(self) -> list[StepEvent]:
-        """Admit what fits, then advance every running request by one shared target pass. A failure in one
-        request's admission, draft, pass, verification or emission finishes that request alone with
-        finish_reason "error" (its slot freed); the others go on."""
+        """Admit what fits, then advance every running request by one shared target pass: decoding ones
+        by a verified draft, new ones by a chunk of their prompt where prompts run compiled (so decoding
+        never stalls behind a long prompt; elsewhere prompts are computed whole on admission). A failure
+        in one request's admission, draft, pass, verification or emission finishes that request alone
+        with finish_reason "error" (its slot freed); the others go on."""
         events = self._admit()
-        proposed = []
+        if not self.runner.compiled_prompts:
+            events += self._prefill_whole_prompts()
+        work = []
         for request_id, state in list(self._running.items()):
+            if not state.decoding:
+                continue
             try:
-                proposed.append((request_id, state, self._propose(state)))
+                draft = self._propose(state)
+                work.append(_Work(request_id, state, [state.seq.token_ids[-1], *draft.tokens], draft))
             except Exception as error:  # noqa: BLE001 - the drafter failed this request only
                 events.append(self._fail(request_id, state, error))
-        for (request_id, state, draft), output in self._pass(proposed, events):
+        work += self._prompt_chunks()
+        for item, output in self._pass(work, events):
             try:
-                verdict = self._verify(state, draft, output.logits)
-                cache_start = len(state.seq.token_ids) - 1
-                self.runner.cache.rollback(state.slot, cache_start + 1 + verdict.accepted)  # pending + accepted
-                hidden = HiddenRows(cache_start, {k: t[: verdict.accepted + 1] for k, t in output.taps.items()})
-                if self._reuse_answers and self.tap_layers:
-                    state.answer_taps.append(hidden.taps)
-                events.append(self._emit(request_id, state, verdict, len(draft.tokens), hidden))
+                if item.draft is None:
+                    events += self._prompt_progress(item.request_id, item.state, output)
+                else:
+                    events.append(self._verified(item.request_id, item.state, item.draft, output))
             except Exception as error:  # noqa: BLE001
+                events.append(self._fail(item.request_id, item.state, error))
+        return events
+
+    def _verified(self, request_id: int, state: _Running, draft: Draft, output: PassOutput) -> StepEvent:
+        verdict = self._verify(state, draft, output.logits)
+        cache_start = len(state.seq.token_ids) - 1
+        self.runner.cache.rollback(state.slot, cache_start + 1 + verdict.accepted)  # pending + accepted
+        hidden = HiddenRows(cache_start, {k: t[: verdict.accepted + 1] for k, t in output.taps.items()})
+        if self._reuse_answers and self.tap_layers:
+            state.answer_taps.append(hidden.taps)
+        return self._emit(request_id, state, verdict, len(draft.tokens), hidden)
+
+    def _prompt_chunks(self) -> list[_Work]:
+        """Up to PROMPT_CHUNK rows of the prompts still being computed, oldest request first."""
+        chunks, budget = [], PROMPT_CHUNK
+        for request_id, state in self._running.items():
+            if state.decoding or budget == 0:
+                continue
+            tokens = state.seq.token_ids[state.prompt_done : min(state.seq.prompt_len, state.prompt_done + budget)]
+            chunks.append(_Work(request_id, state, tokens, None))
+            budget -= len(tokens)
+        return chunks
+
+    def _prefill_whole_prompts(self) -> list[StepEvent]:
+        """Where prompts run on torch's GEMMs: each new prompt in passes of its own, before the shared pass."""
+        events = []
+        for request_id, state in list(self._running.items()):
+            if state.decoding:
+                continue
+            try:
+                output = self.runner.prefill(state.slot, state.seq.token_ids[: state.seq.prompt_len], self.tap_layers)
+                events += self._prompt_progress(request_id, state, output)
+            except Exception as error:  # noqa: BLE001 - this prompt failed; the next may not
                 events.append(self._fail(request_id, state, error))
         return events
 
-    def _pass(self, proposed: list, events: list[StepEvent]) -> list:
-        """One target pass over every proposed (request, state, draft): [(item, output)]. If it raises,
-        each request gets a pass of its own (a row computes the same either way), so that a request whose
-        rows cannot be computed fails alone (its event appended to `events`)."""
-        if not proposed:
+    def _prompt_progress(self, request_id: int, state: _Running, output: PassOutput) -> list[StepEvent]:
+        """Record a computed stretch of a prompt; after its last, emit the first answer token."""
+        state.prompt_done = self.runner.cache.lengths[state.slot]
+        slot, prompt = state.slot, state.seq.token_ids[: state.seq.prompt_len]
+        self._cached[slot] = prompt[: state.prompt_done]  # later prompts may reuse it already
+        if self.tap_layers:
+            state.prompt_taps.append(output.taps)
+            self._cached_taps[slot] = {k: torch.cat([p[k] for p in state.prompt_taps]) for k in self.tap_layers}
+        if not state.decoding:
+            return []
+        verdict = self._verify(state, Draft([]), output.logits)
+        return [self._emit(request_id, state, verdict, 0, HiddenRows(0, self._cached_taps.get(slot, {})))]
+
+    def _pass(self, work: list[_Work], events: list[StepEvent]) -> list[tuple[_Work, PassOutput]]:
+        """One target pass over every request's rows: [(work, output)]. If it raises, each request gets a
+        pass of its own (a row computes the same either way), so that a request whose rows cannot be
+        computed fails alone (its event appended to `events`)."""
+        if not work:
             return []
         try:
-            return list(zip(proposed, self._run(proposed), strict=True))
+            return list(zip(work, self._run(work), strict=True))
         except Exception as error:  # noqa: BLE001
-            if len(proposed) == 1:
-                events.append(self._fail(proposed[0][0], proposed[0][1], error))
+            if len(work) == 1:
+                events.append(self._fail(work[0].request_id, work[0].state, error))
                 return []
         done = []
-        for item in proposed:
+        for item in work:
             try:
                 done.append((item, self._run([item])[0]))
             except Exception as error:  # noqa: BLE001
-                events.append(self._fail(item[0], item[1], error))
+                events.append(self._fail(item.request_id, item.state, error))
         return done
 
-    def _run(self, proposed: list) -> list:
-        rows = max(1 + len(draft.tokens) for _, _, draft in proposed)
+    def _run(self, work: list[_Work]) -> list[PassOutput]:
+        rows = max(len(item.tokens) for item in work)
         width = -(-rows // self.row_unit) * self.row_unit  # row_unit is 1 or >= self.width
-        inputs = [PassInput(state.slot, [state.seq.token_ids[-1], *draft.tokens]) for _, state, draft in proposed]
+        inputs = [
+            PassInput(item.state.slot, item.tokens,
+                      "all" if item.draft is not None else "last" if item.last_of_prompt else "none")
+            for item in work
+        ]
         return self.runner.run(inputs, width, self.tap_layers)
 
     def _fail(self, request_id: int, state: _Running, error: Exception) -> StepEvent:
@@ -203,9 +278,14 @@ class Engine:
         return StepEvent(request_id, [], result)
 
     def _admit(self) -> list[StepEvent]:
-        events = []
+        """Give waiting requests free slots and their cached prompt heads; their prompts are computed from
+        the next pass on. A request whose head another prompt is computing right now waits for it."""
+        events, deferred = [], []
         while self._waiting and self.runner.cache.free_slots:
             request_id, request = self._waiting.popleft()
+            if self._head_in_progress(request.prompt_ids):
+                deferred.append((request_id, request))
+                continue
             slot, reused, head_taps = self._reusable_slot(request.prompt_ids)
             seed = request.sampling.seed if request.sampling.seed is not None else random.getrandbits(63)
             state = _Running(
@@ -214,27 +294,27 @@ class Engine:
                 slot=slot,
                 generator=torch.Generator().manual_seed(seed),
                 stats=DecodeStats(cached_prompt_tokens=reused),
+                prompt_done=reused,
+                prompt_taps=[head_taps] if head_taps else [],
             )
             self._running[request_id] = state
             try:
                 if self.drafter is not None:
                     self.drafter.begin(state.seq)
-                prefill = self.runner.prefill(slot, request.prompt_ids, self.tap_layers)
-                self._cached[slot] = list(request.prompt_ids)
-                taps = self._whole_prompt_taps(slot, head_taps, prefill.taps)
-                verdict = self._verify(state, Draft([]), prefill.logits)
-                events.append(self._emit(request_id, state, verdict, 0, HiddenRows(0, taps)))
-            except Exception as error:  # noqa: BLE001 - this prompt failed; the next may not
+            except Exception as error:  # noqa: BLE001 - this request failed; the next may not
                 events.append(self._fail(request_id, state, error))
+        self._waiting.extendleft(reversed(deferred))
         return events
 
-    def _whole_prompt_taps(self, slot: int, head: dict[int, torch.Tensor],
-                           computed: dict[int, torch.Tensor]) -> dict[int, torch.Tensor]:
-        if not self.tap_layers:
-            return {}
-        taps = {k: torch.cat([head[k], t]) if head else t for k, t in computed.items()}
-        self._cached_taps[slot] = taps
-        return taps
+    def _head_in_progress(self, prompt: list[int]) -> bool:
+        """Whether a prompt being computed shares at least a prefill block more of `prompt`'s head than
+        any cache holds now: waiting a pass or two for it saves computing that head twice."""
+        if not self.config.prefix_reuse:
+            return False
+        cached = max((_common_prefix(held, prompt) for held in self._cached.values()), default=0)
+        coming = max((_common_prefix(state.seq.token_ids[: state.seq.prompt_len], prompt)
+                      for state in self._running.values() if not state.decoding), default=0)
+        return min(coming, len(prompt) - 1) - cached >= PREFILL_BLOCK
 
     def _reusable_slot(self, prompt: list[int]) -> tuple[int, int, dict[int, torch.Tensor]]:
         """Pick a free slot for `prompt` and fill it with the longest cached head of any slot (a free slot's

@@ -25,6 +25,9 @@ PROMPT_CHUNK = 512
 class PassInput:
     slot: int
     tokens: list[int]  # computed at positions cache.lengths[slot], +1, ...
+    # which rows' logits come back: "all" (decode/verify), "last" (a prompt's final chunk) or "none" (a
+    # prompt chunk before it); only the compiled forward takes the last two in a shared pass
+    logits: str = "all"
 
 
 @dataclass
@@ -62,8 +65,10 @@ class TargetRunner:
                 raise ValueError(f"a pass needs 1..{width} tokens per request, got {len(item.tokens)}")
             if start + width > self.cache.capacity:  # padding rows may use the bucket's tail
                 raise ValueError(f"slot {item.slot} would exceed the cache capacity {self.capacity}")
-        if self.compiled is not None and not prefill:  # compiled prompts go through prefill() directly
-            return self._run_compiled(inputs, starts, tap_layers, "all")
+        if self.compiled is not None and not prefill:
+            return self._run_compiled(inputs, starts, tap_layers)
+        if any(item.logits != "all" for item in inputs):
+            raise ValueError("prompt chunks share a pass only where prompts run compiled")
         rows = [item.tokens + [item.tokens[-1]] * (width - len(item.tokens)) for item in inputs]
         logits, taps = self.model.forward(
             torch.tensor(rows), starts, [item.slot for item in inputs],
@@ -79,24 +84,23 @@ class TargetRunner:
         return outputs
 
     def _run_compiled(
-        self, inputs: list[PassInput], starts: list[int], tap_layers: tuple[int, ...], logits: str
+        self, inputs: list[PassInput], starts: list[int], tap_layers: tuple[int, ...]
     ) -> list[PassOutput]:
-        """`logits`: "all" rows, each request's "last" row, or "none" (a prompt pass before its last)."""
         tokens = [t for item in inputs for t in item.tokens]
         slots = [item.slot for item in inputs for _ in item.tokens]
         positions = [start + i for item, start in zip(inputs, starts, strict=True) for i in range(len(item.tokens))]
         ends = list(itertools.accumulate(len(item.tokens) for item in inputs))
-        logit_rows = {"all": None, "last": [end - 1 for end in ends], "none": []}[logits]
-        last_only = logits != "all"
+        wanted = [_logit_rows(item, end) for item, end in zip(inputs, ends, strict=True)]
         logits, taps = self.compiled.forward(
-            tokens, slots, positions, self.cache.keys, self.cache.values, tap_layers, logit_rows
+            tokens, slots, positions, self.cache.keys, self.cache.values, tap_layers, [r for w in wanted for r in w]
         )
-        outputs = []
-        for b, (item, start, end) in enumerate(zip(inputs, starts, ends, strict=True)):
+        outputs, first = [], 0
+        for item, start, end, rows in zip(inputs, starts, ends, wanted, strict=True):
             n = len(item.tokens)
             self.cache.lengths[item.slot] = start + n
-            rows = logits[b : b + 1] if last_only else logits[end - n : end]
-            outputs.append(PassOutput(rows, {layer: t[end - n : end] for layer, t in taps.items()}))
+            rows_taps = {k: t[end - n : end] for k, t in taps.items()}
+            outputs.append(PassOutput(logits[first : first + len(rows)], rows_taps))
+            first += len(rows)
         return outputs
 
     def prefill(self, slot: int, tokens: list[int], tap_layers: tuple[int, ...] = ()) -> PassOutput:
@@ -113,11 +117,22 @@ class TargetRunner:
             for begin in range(start, len(tokens), PROMPT_CHUNK):
                 chunk = tokens[begin : begin + PROMPT_CHUNK]
                 last = begin + PROMPT_CHUNK >= len(tokens)
-                parts.append(self._run_compiled([PassInput(slot, chunk)], [begin], tap_layers,
-                                                "last" if last else "none")[0])
+                parts.append(self._run_compiled([PassInput(slot, chunk, "last" if last else "none")], [begin],
+                                                tap_layers)[0])
             return PassOutput(parts[-1].logits, {k: torch.cat([p.taps[k] for p in parts]) for k in tap_layers})
         parts = []
         for begin in range(start, len(tokens), PREFILL_BLOCK):
             block = tokens[begin : begin + PREFILL_BLOCK]
             parts.append(self.run([PassInput(slot, block)], PREFILL_BLOCK, tap_layers, prefill=True)[0])
         return PassOutput(parts[-1].logits, {layer: torch.cat([p.taps[layer] for p in parts]) for layer in tap_layers})
+
+
+def _logit_rows(item: PassInput, end: int) -> list[int]:
+    """The pass rows whose logits `item` wants; its rows end (exclusive) at pass row `end`."""
+    if item.logits == "all":
+        return list(range(end - len(item.tokens), end))
+    if item.logits == "last":
+        return [end - 1]
+    if item.logits == "none":
+        return []
+    raise ValueError(f"unknown logits selection {item.logits!r}")

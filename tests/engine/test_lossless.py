@@ -7,6 +7,7 @@ import torch
 
 from specstand.drafters import DRAFTERS, Draft, Drafter, SequenceView, make_drafter
 from specstand.engine import Engine, EngineConfig, Request
+from specstand.engine import engine as engine_module
 from specstand.runner.transformer import DecoderModel
 from tests.conftest import DTYPES, FAMILIES, FORWARDS, random_prompts, tiny_decoder, tiny_hf_model
 
@@ -195,14 +196,39 @@ def test_a_longer_cached_head_is_not_overwritten_by_a_shorter_reuse(forward):
     assert again.stats.cached_prompt_tokens == (len(long) - 1 if engine.runner.compiled_prompts else 192)
 
 
-def test_prefix_is_copied_from_a_running_request():
-    model = DecoderModel(tiny_hf_model("llama", torch.bfloat16), 512)
+@pytest.mark.parametrize("forward", FORWARDS)
+def test_prefix_is_copied_from_a_running_request(forward):
+    model = tiny_decoder("llama", torch.bfloat16, forward=forward)
     head = random_prompts(1, 130, seed=22)[0]
     prompts = [head + [3], head + [4, 5], head + [6]]
     engine = _engine(model, make_drafter("suffix"), max_batch=3)
     engine.generate([Request(prompts[0], 5)])
     # two calls sharing the head start together: one takes the finished slot, the other copies from it
     results = engine.generate([Request(p, 20) for p in prompts[1:]])
-    assert [r.stats.cached_prompt_tokens for r in results] == [128, 128]
+    expected = [130, 130] if engine.runner.compiled_prompts else [128, 128]
+    assert [r.stats.cached_prompt_tokens for r in results] == expected
     fresh = [_engine(model, make_drafter("suffix")).generate([Request(p, 20)])[0].output_ids for p in prompts[1:]]
     assert [r.output_ids for r in results] == fresh
+
+
+@pytest.mark.parametrize("forward", FORWARDS)
+def test_prompt_chunks_share_passes_with_decoding_requests(forward, monkeypatch):
+    """Where prompts run compiled, a new prompt is computed in chunks inside the passes that advance the
+    requests already decoding; answers stay those of one request at a time without a drafter."""
+    monkeypatch.setattr(engine_module, "PROMPT_CHUNK", 24)
+    model = tiny_decoder("qwen2", torch.bfloat16, forward=forward)
+    prompts = random_prompts(3, 30, seed=40) + random_prompts(3, 70, seed=41)
+    engine = _engine(model, make_drafter("suffix"), max_batch=2)
+    selections = []
+    run = engine.runner.run
+
+    def recording_run(inputs, *args, **kwargs):
+        selections.append({item.logits for item in inputs})
+        return run(inputs, *args, **kwargs)
+
+    engine.runner.run = recording_run
+    outputs = _outputs(engine, prompts, 24)
+    assert outputs == [_outputs(_engine(model, None), [p], 24)[0] for p in prompts]
+    if engine.runner.compiled_prompts:
+        mixed = [s for s in selections if "all" in s and s & {"none", "last"}]
+        assert len(mixed) >= 4  # every later prompt (70 tokens: 3 chunks) rode along decoding rows

@@ -5,6 +5,10 @@ computes; which of them are *valid* is only the slot's `length`. Rolling back a 
 therefore O(1): set the length. Stale entries past the length are never read, because attention masks
 keys by position (key position <= query position) and a later pass overwrites them.
 
+Entries are stored in the model's dtype (bf16 for bf16 models: half the bytes a decode step reads per
+cached position; the K/V rows are rounded to nearest even on every path, prompt or decode, so a position
+holds the same bits however it was computed) and widened to fp32 where attention reads them.
+
 The buffers start zeroed so that masked entries are finite: softmax gives them an exact 0 weight, and
 0 * finite = 0 keeps the result bit-identical whatever was written there before.
 
@@ -26,12 +30,11 @@ class KVCache:
         num_kv_heads: int,
         capacity: int,
         head_dim: int,
+        dtype: torch.dtype = torch.float32,
     ) -> None:
         shape = (num_layers, num_slots, num_kv_heads, capacity, head_dim)
-        # fp32 whatever the model dtype: exact copies of bf16 values, and fp32 GEMMs are far faster
-        # than bf16 ones on CPUs without native bf16 matrix units
-        self.keys = torch.zeros(shape)
-        self.values = torch.zeros(shape)
+        self.keys = torch.zeros(shape, dtype=dtype)
+        self.values = torch.zeros(shape, dtype=dtype)
         self.capacity = capacity
         self.lengths = [0] * num_slots
         self._free = list(range(num_slots - 1, -1, -1))

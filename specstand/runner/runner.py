@@ -49,7 +49,7 @@ class TargetRunner:
         self.capacity = capacity
         # attention reads whole buckets, so the buffers end on a bucket boundary
         buffer_len = -(-capacity // ATTENTION_BUCKET) * ATTENTION_BUCKET
-        self.cache = KVCache(s.num_layers, num_slots, s.num_kv_heads, buffer_len, s.head_dim)
+        self.cache = KVCache(s.num_layers, num_slots, s.num_kv_heads, buffer_len, s.head_dim, model.dtype)
 
     @torch.inference_mode()
     def run(

@@ -184,7 +184,7 @@ class DecoderModel:
         logits_at: list[int] | None = None,
     ) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
         """Run `tokens` [B, T] at positions start..start+T-1 of each slot; write their K/V into the cache
-        (`keys`/`values` [layers, slots, kv heads, capacity, D], fp32).
+        (`keys`/`values` [layers, slots, kv heads, capacity, D]: the model dtype, see KVCache).
 
         Returns fp32 logits [B, T, V] (or [B, 1, V] of row logits_at[b] of each request) and the hidden
         states of `tap_layers` (HF numbering: 0 is the embedding output, i the output of layer i,
@@ -256,9 +256,8 @@ class DecoderModel:
         padded = run.bias.shape[0]
         if padded != run.rows:
             q = F.pad(q, (0, 0, 0, padded - run.rows))
-        out = F.scaled_dot_product_attention(
-            q[None], keys[None, :, : run.length], values[None, :, : run.length], attn_mask=run.bias, enable_gqa=True
-        )
+        keys, values = keys[None, :, : run.length].float(), values[None, :, : run.length].float()
+        out = F.scaled_dot_product_attention(q[None], keys, values, attn_mask=run.bias, enable_gqa=True)
         return out[0, :, : run.rows]
 
 def _attention_runs(start: int, width: int) -> list[_AttentionRun]:

@@ -1,7 +1,8 @@
-// Decode/verify attention in fp32, two paths side by side: AVX-512 (FMA, 16 keys a step) where the linear
-// path is avx512bf16 or amx, and portable 8-lane vectors (common.h) elsewhere. Every sum has a fixed order
-// that depends on the row's own cache length only, so a row computes the same bits alone or beside other
-// rows. Tasks group a request's rows per kv head, so its cache is read from memory about once a pass.
+// Decode/verify attention in fp32 over a bf16 cache (widened exactly on load), two paths side by side:
+// AVX-512 (FMA, 16 keys a step) where the linear path is avx512bf16 or amx, and portable 8-lane vectors
+// (common.h) elsewhere. Every sum has a fixed order that depends on the row's own cache length only, so a
+// row computes the same bits alone or beside other rows. Tasks group a request's rows per kv head, so its
+// cache is read from memory about once a pass.
 #include "attention.h"
 
 #include <ATen/Parallel.h>
@@ -33,6 +34,12 @@ __attribute__((target("avx512f"), always_inline)) static inline __m512 sum_lanes
                        _mm512_shuffle_f32x4(low, high, _MM_SHUFFLE(3, 1, 3, 1)));
 }
 
+// 16 bf16 values widened to fp32.
+__attribute__((target("avx512f"), always_inline)) static inline __m512 load16_bf16(const uint16_t* p) {
+  const __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
+}
+
 // H heads' weighted sums of values (acc in registers), scaled by their softmax denominators.
 template <int DC, int H>
 __attribute__((target("avx512f"))) static void weigh_values16(const float* weights, int64_t padded,
@@ -42,9 +49,9 @@ __attribute__((target("avx512f"))) static void weigh_values16(const float* weigh
   for (int h = 0; h < H; ++h)
     for (int c = 0; c < DC; ++c) acc[h][c] = _mm512_setzero_ps();
   for (int64_t j = 0; j < length; ++j) {
-    const float* value = cache.value(slot, kv, j);
+    const uint16_t* value = cache.value(slot, kv, j);
     __m512 v[DC];
-    for (int c = 0; c < DC; ++c) v[c] = _mm512_loadu_ps(value + 16 * c);
+    for (int c = 0; c < DC; ++c) v[c] = load16_bf16(value + 16 * c);
     for (int h = 0; h < H; ++h) {
       const __m512 w = _mm512_set1_ps(weights[h * padded + j]);
       for (int c = 0; c < DC; ++c) acc[h][c] = _mm512_fmadd_ps(w, v[c], acc[h][c]);
@@ -87,9 +94,9 @@ __attribute__((target("avx512f"))) static void attend_group16(const float* q, fl
           dots[i] = _mm512_setzero_ps();
           continue;
         }
-        const float* key = cache.key(slot, kv, block + i);
-        __m512 dot = _mm512_mul_ps(qv[0], _mm512_loadu_ps(key));
-        for (int c = 1; c < DC; ++c) dot = _mm512_fmadd_ps(qv[c], _mm512_loadu_ps(key + 16 * c), dot);
+        const uint16_t* key = cache.key(slot, kv, block + i);
+        __m512 dot = _mm512_mul_ps(qv[0], load16_bf16(key));
+        for (int c = 1; c < DC; ++c) dot = _mm512_fmadd_ps(qv[c], load16_bf16(key + 16 * c), dot);
         dots[i] = dot;
       }
       _mm512_storeu_ps(scores.data() + g * padded + block, _mm512_mul_ps(sum_lanes16(dots), scale_v));
@@ -130,10 +137,10 @@ __attribute__((target_clones("avx2", "default"), flatten)) static void attend_gr
   const int64_t dim = cache.head_dim, padded = (length + 7) / 8 * 8;
   scores.assign(group * padded, 0.0f);
   for (int64_t j = 0; j < length; ++j) {
-    const float* key = cache.key(slot, kv, j);
+    const uint16_t* key = cache.key(slot, kv, j);
     for (int64_t g = 0; g < group; ++g) {
       v8f dot = v8_splat(0.0f);
-      for (int64_t d = 0; d < dim; d += 8) dot = dot + v8_load(q + g * dim + d) * v8_load(key + d);
+      for (int64_t d = 0; d < dim; d += 8) dot = dot + v8_load(q + g * dim + d) * v8_load_bf16(key + d);
       scores[g * padded + j] = v8_sum(dot) * scale;
     }
   }
@@ -156,7 +163,8 @@ __attribute__((target_clones("avx2", "default"), flatten)) static void attend_gr
   for (int64_t g = 0; g < group; ++g)
     for (int64_t d = 0; d < dim; d += 8) {  // one 8-wide accumulator in a register over all keys
       v8f sum = v8_splat(0.0f);
-      for (int64_t j = 0; j < length; ++j) sum = sum + v8_splat(scores[g * padded + j]) * v8_load(cache.value(slot, kv, j) + d);
+      for (int64_t j = 0; j < length; ++j)
+        sum = sum + v8_splat(scores[g * padded + j]) * v8_load_bf16(cache.value(slot, kv, j) + d);
       v8_store(out + g * dim + d, sum * v8_splat(inverse_sum[g]));
     }
 }

@@ -8,14 +8,14 @@
 namespace specstand {
 
 struct CacheView {
-  const float* keys;  // one layer: [slots][kv_heads][capacity][head_dim]
-  const float* values;
+  const uint16_t* keys;  // one layer, bf16: [slots][kv_heads][capacity][head_dim]
+  const uint16_t* values;
   int64_t slots, kv_heads, capacity, head_dim;
 
-  const float* key(int64_t slot, int64_t head, int64_t pos) const {
+  const uint16_t* key(int64_t slot, int64_t head, int64_t pos) const {
     return keys + ((slot * kv_heads + head) * capacity + pos) * head_dim;
   }
-  const float* value(int64_t slot, int64_t head, int64_t pos) const {
+  const uint16_t* value(int64_t slot, int64_t head, int64_t pos) const {
     return values + ((slot * kv_heads + head) * capacity + pos) * head_dim;
   }
 };

@@ -80,6 +80,16 @@ SPECSTAND_INLINE v8f v8_load(const float* p) {
   return v;
 }
 SPECSTAND_INLINE void v8_store(float* p, v8f v) { std::memcpy(p, &v, sizeof(v)); }
+// Eight bf16 values widened to fp32 (exact: the bits move up by 16).
+SPECSTAND_INLINE v8f v8_load_bf16(const uint16_t* p) {
+  typedef uint16_t v8h __attribute__((vector_size(16)));
+  v8h raw;
+  std::memcpy(&raw, p, sizeof(raw));
+  const v8i bits = __builtin_convertvector(raw, v8i) << 16;
+  v8f v;
+  std::memcpy(&v, &bits, sizeof(v));
+  return v;
+}
 SPECSTAND_INLINE v8f v8_splat(float x) { return v8f{} + x; }
 SPECSTAND_INLINE v16f v16_splat(float x) { return v16f{} + x; }
 

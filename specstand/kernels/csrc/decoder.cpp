@@ -110,10 +110,10 @@ class Decoder {
     TORCH_CHECK(rope_.dim() == 3 && rope_.size(1) * 2 == head_dim_, "rope table shape");
   }
 
-  // tokens, slots, positions: [rows] int64. keys/values: [layers, slots, kv heads, capacity, head_dim] fp32,
-  // written at (slot, position) of every row. Returns fp32 logits [len(logit_rows), vocab] of the rows
-  // listed in logit_rows, and the hidden states of tap_layers (0: embedding, i: output of layer i,
-  // num_layers: final normed state) of every row.
+  // tokens, slots, positions: [rows] int64. keys/values: [layers, slots, kv heads, capacity, head_dim] bf16,
+  // written (rounded to nearest even) at (slot, position) of every row. Returns fp32 logits
+  // [len(logit_rows), vocab] of the rows listed in logit_rows, and the hidden states of tap_layers
+  // (0: embedding, i: output of layer i, num_layers: final normed state) of every row.
   std::tuple<at::Tensor, std::vector<at::Tensor>> forward(const at::Tensor& tokens, const at::Tensor& slots,
                                                            const at::Tensor& positions, at::Tensor& keys,
                                                            at::Tensor& values, const std::vector<int64_t>& tap_layers,
@@ -122,10 +122,11 @@ class Decoder {
     const int64_t rows = tokens.size(0), layers = int64_t(layers_.size());
     TORCH_CHECK(lm_head_.n > 0, "set_head was not called");
     TORCH_CHECK(slots.size(0) == rows && positions.size(0) == rows, "tokens, slots and positions differ in length");
-    TORCH_CHECK(keys.scalar_type() == at::kFloat && keys.is_contiguous() && values.is_contiguous() &&
+    TORCH_CHECK(keys.scalar_type() == at::kBFloat16 && values.scalar_type() == at::kBFloat16 &&
+                    keys.is_contiguous() && values.is_contiguous() &&
                     keys.sizes() == values.sizes() && keys.dim() == 5 && keys.size(0) == layers &&
                     keys.size(2) == kv_heads_ && keys.size(4) == head_dim_,
-                "the KV cache must be fp32 [layers, slots, kv heads, capacity, head_dim]");
+                "the KV cache must be bf16 [layers, slots, kv heads, capacity, head_dim]");
     const at::Tensor tok = tokens.to(at::kLong).contiguous(), slot = slots.to(at::kLong).contiguous(),
                      pos = positions.to(at::kLong).contiguous();
     const int64_t* tok_p = tok.data_ptr<int64_t>();
@@ -162,8 +163,9 @@ class Decoder {
       clock.lap(seconds_, kOther);
       linear(layer.qkv, xn.data(), rows, H, qkv.data(), qkv_width);
       clock.lap(seconds_, kLinear);
-      float* layer_keys = keys.data_ptr<float>() + l * num_slots * kv_heads_ * capacity * D;
-      float* layer_values = values.data_ptr<float>() + l * num_slots * kv_heads_ * capacity * D;
+      const int64_t layer_size = num_slots * kv_heads_ * capacity * D;
+      uint16_t* layer_keys = reinterpret_cast<uint16_t*>(keys.data_ptr()) + l * layer_size;
+      uint16_t* layer_values = reinterpret_cast<uint16_t*>(values.data_ptr()) + l * layer_size;
       for_rows(rows, [&](int64_t r) {
         float* row = qkv.data() + r * qkv_width;
         if (!layer.qkv_bias.empty())
@@ -184,8 +186,10 @@ class Decoder {
           }
         for (int64_t kv = 0; kv < kv_heads_; ++kv) {
           const int64_t at = ((slot_p[r] * kv_heads_ + kv) * capacity + pos_p[r]) * D;
-          std::memcpy(layer_keys + at, row + q_size + kv * D, D * sizeof(float));
-          std::memcpy(layer_values + at, row + q_size + kv_size + kv * D, D * sizeof(float));
+          for (int64_t i = 0; i < D; ++i) {
+            layer_keys[at + i] = float_to_bf16(row[q_size + kv * D + i]);
+            layer_values[at + i] = float_to_bf16(row[q_size + kv_size + kv * D + i]);
+          }
         }
       });
       clock.lap(seconds_, kOther);

@@ -86,7 +86,10 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--endpoint", action="append", default=[], metavar="NAME=URL",
                        help="an OpenAI-compatible server to measure (repeatable)")
     bench.add_argument("--model", default=None, help="start specstand servers for this model")
-    bench.add_argument("--method", action="append", default=[], help="method(s) to serve (repeatable or a,b,c)")
+    bench.add_argument("--method", action="append", default=[],
+                       help="method(s) to serve (repeatable or a,b,c); METHOD+adaptive: with adaptive verification")
+    bench.add_argument("--adaptive", action="store_true",
+                       help="also serve every drafted method with adaptive verification (as METHOD+adaptive)")
     bench.add_argument("--speculative-config", action="append", default=[],
                        help="also serve a target configured by vLLM's JSON (repeatable; needs --model)")
     bench.add_argument("--k", type=int, default=None, help="draft tokens per pass (default 5; DFlash: block - 1)")
@@ -165,6 +168,8 @@ def _model_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--speculative-config", default=None,
                         help="vLLM's JSON instead of --method/--k/--drafter: method (ngram, suffix, eagle3, dflash, "
                              "mtp), model, num_speculative_tokens, prompt_lookup_min, prompt_lookup_max")
+    parser.add_argument("--adaptive", action="store_true",
+                        help="verify only the draft tokens expected to pay for their rows (load-aware, lossless)")
 
 
 def read_messages(path: Path) -> list[dict]:
@@ -223,7 +228,7 @@ def cmd_generate(args: argparse.Namespace) -> None:
     prompt_ids = model.encode_messages(messages) if messages else model.encode_prompt(args.prompt)
     drafter = make_drafter(args.method, model.decoder, args.model, args.drafter, args.ngram)
     args.k = default_k(drafter, args.k)
-    config = EngineConfig(num_speculative_tokens=args.k, max_seq_len=model.max_positions)
+    config = EngineConfig(num_speculative_tokens=args.k, max_seq_len=model.max_positions, adaptive=args.adaptive)
     engine = Engine(model.decoder, drafter, config)
     request = Request(prompt_ids, args.max_tokens, sampling, model.stop_token_ids)
     engine.add_request(request)  # validates the length before any work
@@ -234,6 +239,7 @@ def cmd_generate(args: argparse.Namespace) -> None:
         "model": args.model,
         "method": args.method,
         "k": args.k,
+        "adaptive": args.adaptive,
         "text": model.decode(result.output_ids),
         "token_ids": result.output_ids,
         "prompt_tokens": len(prompt_ids),
@@ -322,10 +328,11 @@ def cmd_serve(args: argparse.Namespace) -> None:
         raise CliError("--request-timeout, --max-prompt-chars and --max-body-bytes must be > 0")
     limits = ServerLimits(args.max_body_bytes, args.max_prompt_chars, args.request_timeout)
     config = ServerConfig(args.method, args.k, args.max_batch, args.max_queue, args.served_model_name,
-                          args.model, args.drafter, args.ngram, limits)
+                          args.model, args.drafter, args.ngram, limits, args.adaptive)
     app, worker = build_server(model, config)
-    _log(f"serving {args.model} with method {args.method} (K={worker.engine.config.num_speculative_tokens}) "
-         f"on http://{args.host}:{args.port}")
+    adaptive = ", adaptive verification" if args.adaptive else ""
+    _log(f"serving {args.model} with method {args.method} (K={worker.engine.config.num_speculative_tokens}"
+         f"{adaptive}) on http://{args.host}:{args.port}")
     try:
         uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
     finally:
@@ -389,7 +396,7 @@ def _parse_users(text: str) -> list[int]:
 def cmd_bench(args: argparse.Namespace) -> None:
     import asyncio
 
-    from specstand.bench.run import BenchConfig, Target, run_bench, start_server, stop_servers, wait_ready
+    from specstand.bench.run import ADAPTIVE, BenchConfig, Target, run_bench, start_server, stop_servers, wait_ready
     from specstand.workloads import load_workload
 
     users = _parse_users(args.users)
@@ -397,12 +404,15 @@ def cmd_bench(args: argparse.Namespace) -> None:
         raise CliError("--repeats must be >= 1")
     turns = load_workload(args.workload)[: args.limit_turns]
     methods = [m for value in args.method for m in value.split(",") if m]
+    if args.adaptive:
+        methods += [f"{m}{ADAPTIVE}" for m in methods if m != "none" and not m.endswith(ADAPTIVE)]
     configured = [(_config_target_name(text), text) for text in args.speculative_config]
     if configured and not args.model:
         raise CliError("--speculative-config needs --model")
     for method in methods:
-        if method not in METHODS:
-            raise CliError(f"unknown method {method!r} (choose from {', '.join(METHODS)})")
+        if method.removesuffix(ADAPTIVE) not in METHODS or method == f"none{ADAPTIVE}":
+            raise CliError(f"unknown method {method!r} (choose from {', '.join(METHODS)}, each drafted one "
+                           f"optionally with {ADAPTIVE})")
     if methods and not args.model:
         raise CliError("--method needs --model")
     if not methods and not args.endpoint:
@@ -417,7 +427,7 @@ def cmd_bench(args: argparse.Namespace) -> None:
     try:
         for method in methods:
             targets.append(start_server(method, args.model, args.k, args.max_batch, args.dtype, args.max_seq_len,
-                                        drafters.get(method)))
+                                        drafters.get(method.removesuffix(ADAPTIVE))))
         for name, text in configured:
             targets.append(start_server(name, args.model, None, args.max_batch, args.dtype, args.max_seq_len,
                                         speculative_config=text))

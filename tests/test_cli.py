@@ -19,15 +19,16 @@ def _run(capsys, *argv: str) -> tuple[int, str, str]:
 
 def test_generate_json_with_every_method(capsys, tiny_model_dir):
     outputs = {}
-    for method in ("none", "ngram", "suffix"):
+    for method, flags in (("none", []), ("ngram", []), ("suffix", []), ("suffix", ["--adaptive"])):
         code, out, _ = _run(capsys, "generate", "--model", str(tiny_model_dir), "--method", method,
-                            "--prompt", "w3 w4 w5 w3 w4 w5 w3 w4", "--max-tokens", "12", "--json")
+                            "--prompt", "w3 w4 w5 w3 w4 w5 w3 w4", "--max-tokens", "12", "--json", *flags)
         assert code == 0
         result = json.loads(out)
         assert {"text", "token_ids", "stats", "tokens_per_second"} <= result.keys()
         assert result["stats"]["tau"] >= 1.0 and result["stats"]["target_passes"] >= 1
-        outputs[method] = result["token_ids"]
-    assert outputs["ngram"] == outputs["none"] == outputs["suffix"]
+        assert result["adaptive"] == bool(flags)
+        outputs[method + "".join(flags)] = result["token_ids"]
+    assert outputs["ngram"] == outputs["none"] == outputs["suffix"] == outputs["suffix--adaptive"]
 
 
 def test_messages_file_uses_the_chat_template(capsys, tiny_model_dir, tmp_path):

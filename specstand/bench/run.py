@@ -24,6 +24,9 @@ from specstand.workloads import Turn
 SERVER_START_TIMEOUT_S = 600
 
 
+ADAPTIVE = "+adaptive"  # a bench method name's suffix: serve that method with adaptive verification
+
+
 @dataclass
 class Target:
     name: str
@@ -52,8 +55,9 @@ def _free_port() -> int:
 def start_server(method: str, model: str, k: int | None, max_batch: int, dtype: str, max_seq_len: int,
                  drafter: Path | None = None, speculative_config: str | None = None) -> Target:
     """`specstand serve` in its own process (its own threads, so targets do not share the engine).
-    k None: the method's default (DFlash: its block size - 1). With `speculative_config` (vLLM's JSON)
-    the server is configured by it, and `method` only names the target."""
+    k None: the method's default (DFlash: its block size - 1). A method named METHOD+adaptive serves
+    METHOD with adaptive verification. With `speculative_config` (vLLM's JSON) the server is configured
+    by it, and `method` only names the target."""
     port = _free_port()
     log = Path(tempfile.mkstemp(prefix=f"specstand-serve-{method}-", suffix=".log")[1])
     cmd = [sys.executable, "-m", "specstand.cli", "serve", "--model", model,
@@ -64,11 +68,12 @@ def start_server(method: str, model: str, k: int | None, max_batch: int, dtype: 
         config = json.loads(speculative_config)
         k = config.get("num_speculative_tokens") or 5
     else:
-        cmd += ["--method", method]
+        base = method.removesuffix(ADAPTIVE)
+        cmd += ["--method", base] + (["--adaptive"] if base != method else [])
         cmd += ["--k", str(k)] if k is not None else []
         cmd += ["--drafter", str(drafter)] if drafter is not None else []
-        if k is None and method != "none":
-            k = _default_k(method, model, drafter)
+        if k is None and base != "none":
+            k = _default_k(base, model, drafter)
     with log.open("w") as sink:
         process = subprocess.Popen(cmd, stdout=sink, stderr=subprocess.STDOUT, env=os.environ.copy())
     return Target(method, f"http://127.0.0.1:{port}", k if method != "none" else None, process, log)

@@ -49,6 +49,16 @@ class HiddenRows:
 class Draft:
     tokens: list[int]
     probs: torch.Tensor | None = None  # [len(tokens), vocab]; None means one-hot (no probabilities)
+    # the drafter's own per-token confidence signal, any scale (higher: likelier accepted); adaptive
+    # verification learns how it maps to acceptance
+    confidence: list[float] | None = None
+
+    def cut(self, n: int) -> Draft:
+        """The first n tokens (all of them if there are fewer)."""
+        if n >= len(self.tokens):
+            return self
+        return Draft(self.tokens[:n], None if self.probs is None else self.probs[:n],
+                     None if self.confidence is None else self.confidence[:n])
 
 
 class Drafter(ABC):

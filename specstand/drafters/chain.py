@@ -111,15 +111,20 @@ class ChainDrafter(Drafter):
         if last is None or max_tokens <= 0:
             return Draft([])
         past = self._past[seq.request_id]
-        draft = [int(self.model.logits(last).argmax(-1))]
+        draft, margins = [], []
         position = len(seq.token_ids) - 1
-        while len(draft) < max_tokens:
+        while True:
+            logits = self.model.logits(last)
+            top2 = logits.topk(2, dim=-1).values[0]  # its margin: confidence for adaptive verification
+            draft.append(int(logits.argmax(-1)))
+            margins.append(float(top2[0] - top2[1]))
+            if len(draft) == max_tokens:
+                break
             token = self.model.d2t[draft[-1:]]
             last, own = self.model.step(token, last, torch.tensor([position]), None, past)
             past = (torch.cat([past[0], own[0]], 1), torch.cat([past[1], own[1]], 1))
-            draft.append(int(self.model.logits(last).argmax(-1)))
             position += 1
-        return Draft(self.model.d2t[draft].tolist())
+        return Draft(self.model.d2t[draft].tolist(), confidence=margins)
 
     def end(self, seq: SequenceView) -> None:
         self._past.pop(seq.request_id, None)

@@ -107,9 +107,10 @@ class DFlashDrafter(Drafter):
         tokens = torch.full((b,), self.model.spec.mask_token_id)
         tokens[0] = seq.token_ids[-1]
         positions = len(seq.token_ids) - 1 + torch.arange(b)
-        logits = self.model.block_logits(tokens, positions, past, None)
-        draft = self.model.d2t[logits[1:].argmax(-1)]
-        return Draft(draft[:max_tokens].tolist())
+        logits = self.model.block_logits(tokens, positions, past, None)[1 : max_tokens + 1]
+        top2 = logits.topk(2, dim=-1).values
+        margins = (top2[:, 0] - top2[:, 1]).tolist()  # confidence for adaptive verification
+        return Draft(self.model.d2t[logits.argmax(-1)].tolist(), confidence=margins)
 
     def end(self, seq: SequenceView) -> None:
         self._context.pop(seq.request_id, None)

@@ -38,5 +38,6 @@ class NgramDrafter(Drafter):
             hits = np.flatnonzero((windows == context[-n:]).all(axis=1))
             if len(hits):
                 start = int(hits[-1]) + n  # the most recent match
-                return Draft(context[start : start + max_tokens].tolist())
+                tokens = context[start : start + max_tokens].tolist()
+                return Draft(tokens, confidence=[float(n)] * len(tokens))  # longer matches: stronger evidence
         return Draft([])

@@ -16,6 +16,7 @@ from collections import deque
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import NamedTuple
 
 from specstand.drafters.base import Draft, Drafter, HiddenRows, SequenceView
 
@@ -31,6 +32,12 @@ def _collector_paused() -> Iterator[None]:
     finally:
         if was_enabled:
             gc.enable()
+
+
+class Candidate(NamedTuple):
+    tokens: list[int]
+    score: float  # expected accepted length: the sum of the path probabilities
+    probs: list[float]  # path probability of each token (product of count ratios down to it)
 
 
 class _Node:
@@ -75,17 +82,17 @@ class SuffixTree:
 
     def best_draft(
         self, context: list[int], max_tokens: int, min_prob: float, max_spec_factor: float = 1.0
-    ) -> tuple[list[int], float]:
+    ) -> Candidate:
         """The best-scoring draft over all match lengths m; a match of m tokens drafts at most
         m * max_spec_factor tokens (short matches are weak evidence)."""
-        best: tuple[list[int], float] = ([], 0.0)
+        best = Candidate([], 0.0, [])
         for m in range(1, min(len(context), self.max_depth - 1) + 1):
             node = self._walk(context[-m:])
             if node is None:
                 break  # a longer suffix contains this one, so it cannot match either
-            draft, score = self._grow(node, min(max_tokens, int(m * max_spec_factor)), min_prob)
-            if score > best[1]:
-                best = (draft, score)
+            candidate = self._grow(node, min(max_tokens, int(m * max_spec_factor)), min_prob)
+            if candidate.score > best.score:
+                best = candidate
         return best
 
     def _walk(self, tokens: list[int]) -> _Node | None:
@@ -97,18 +104,19 @@ class SuffixTree:
         return node
 
     @staticmethod
-    def _grow(node: _Node, max_tokens: int, min_prob: float) -> tuple[list[int], float]:
+    def _grow(node: _Node, max_tokens: int, min_prob: float) -> Candidate:
         draft: list[int] = []
-        prob, score = 1.0, 0.0
+        probs: list[float] = []
+        prob = 1.0
         while len(draft) < max_tokens and node.children:
             token, child = max(node.children.items(), key=lambda item: item[1].count)
             prob *= child.count / node.count
             if prob < min_prob:
                 break
             draft.append(token)
-            score += prob
+            probs.append(prob)
             node = child
-        return draft, score
+        return Candidate(draft, sum(probs), probs)
 
 
 @dataclass(frozen=True)
@@ -142,7 +150,8 @@ class SuffixDrafter(Drafter):
         cfg = self.config
         local = self._local[seq.request_id].best_draft(context, max_tokens, cfg.min_token_prob, cfg.max_spec_factor)
         shared = self.global_tree.best_draft(context, max_tokens, cfg.min_token_prob, cfg.max_spec_factor)
-        return Draft(max(local, shared, key=lambda candidate: candidate[1])[0])
+        best = max(local, shared, key=lambda candidate: candidate.score)
+        return Draft(best.tokens, confidence=best.probs)
 
     def extend(self, seq: SequenceView, new_tokens: list[int], hidden: HiddenRows | None = None) -> None:
         tree = self._local[seq.request_id]

@@ -10,12 +10,14 @@ from __future__ import annotations
 
 import contextlib
 import random
+import time
 from collections import deque
 from dataclasses import dataclass, field
 
 import torch
 
 from specstand.drafters import Draft, Drafter, HiddenRows, SequenceView
+from specstand.engine.adaptive import AdaptiveVerifier, PassCost, profile_pass_cost
 from specstand.engine.request import GenerationResult, Request, StepEvent
 from specstand.engine.stats import DecodeStats
 from specstand.runner import PassInput, PassOutput, TargetRunner
@@ -32,6 +34,7 @@ class EngineConfig:
     max_batch: int = 1  # requests decoded together (cache slots)
     exact: bool = True  # fix pass shapes so greedy output cannot depend on draft lengths
     prefix_reuse: bool = True  # start a prompt from the longest cached prompt head of any slot
+    adaptive: bool = False  # verify only the draft tokens that pay for their rows (engine/adaptive.py)
 
     def __post_init__(self) -> None:
         if self.num_speculative_tokens < 0:
@@ -113,6 +116,9 @@ class Engine:
         self._cached_taps: dict[int, dict[int, torch.Tensor]] = {}
         self._last_use: dict[int, int] = {}  # slot -> when its request ended (free slots are evicted LRU)
         self._clock = 0
+        self._adaptive = (
+            AdaptiveVerifier(self._profile_pass_cost()) if config.adaptive and drafter is not None else None
+        )
         self._waiting: deque[tuple[int, Request]] = deque()
         self._running: dict[int, _Running] = {}
         self._next_id = 0
@@ -169,15 +175,21 @@ class Engine:
         events = self._admit()
         if not self.runner.compiled_prompts:
             events += self._prefill_whole_prompts()
-        work = []
+        proposals = []
+        drafting = self._adaptive is None or self._adaptive.should_draft()
+        started = time.perf_counter()
         for request_id, state in list(self._running.items()):
             if not state.decoding:
                 continue
             try:
-                draft = self._propose(state)
-                work.append(_Work(request_id, state, [state.seq.token_ids[-1], *draft.tokens], draft))
+                proposals.append((request_id, state, self._propose(state) if drafting else Draft([])))
             except Exception as error:  # noqa: BLE001 - the drafter failed this request only
                 events.append(self._fail(request_id, state, error))
+        if self._adaptive is not None and drafting and proposals:
+            self._adaptive.record_draft_time(time.perf_counter() - started)
+            drafts = self._adaptive.trim([draft for _, _, draft in proposals])
+            proposals = [(r, state, draft) for (r, state, _), draft in zip(proposals, drafts, strict=True)]
+        work = [_Work(r, state, [state.seq.token_ids[-1], *draft.tokens], draft) for r, state, draft in proposals]
         work += self._prompt_chunks()
         for item, output in self._pass(work, events):
             try:
@@ -191,6 +203,8 @@ class Engine:
 
     def _verified(self, request_id: int, state: _Running, draft: Draft, output: PassOutput) -> StepEvent:
         verdict = self._verify(state, draft, output.logits)
+        if self._adaptive is not None:
+            self._adaptive.observe(draft, verdict.accepted)
         cache_start = len(state.seq.token_ids) - 1
         self.runner.cache.rollback(state.slot, cache_start + 1 + verdict.accepted)  # pending + accepted
         hidden = HiddenRows(cache_start, {k: t[: verdict.accepted + 1] for k, t in output.taps.items()})
@@ -264,6 +278,19 @@ class Engine:
             for item in work
         ]
         return self.runner.run(inputs, width, self.tap_layers)
+
+    def _profile_pass_cost(self) -> PassCost:
+        """Time target passes of 1 .. max_batch * (K + 1) rows in a scratch slot (before any request)."""
+        slot = self.runner.cache.allocate()
+
+        def run_pass(rows: int) -> None:
+            self.runner.cache.rollback(slot, 0)
+            self.runner.run([PassInput(slot, [0] * rows)], -(-rows // self.row_unit) * self.row_unit)
+
+        try:
+            return profile_pass_cost(run_pass, min(self.config.max_batch * self.width, self.runner.capacity // 2))
+        finally:
+            self.runner.cache.release(slot)
 
     def _fail(self, request_id: int, state: _Running, error: Exception) -> StepEvent:
         """Finish one request with its error and free its slot."""
@@ -355,10 +382,7 @@ class Engine:
         budget = min(self.config.num_speculative_tokens, state.request.max_tokens - state.emitted - 1)
         if self.drafter is None or budget <= 0:
             return Draft([])
-        draft = self.drafter.propose(state.seq, budget)
-        if len(draft.tokens) > budget:
-            return Draft(draft.tokens[:budget], None if draft.probs is None else draft.probs[:budget])
-        return draft
+        return self.drafter.propose(state.seq, budget).cut(budget)
 
     @staticmethod
     def _verify(state: _Running, draft: Draft, logits: torch.Tensor) -> Verdict:

@@ -26,6 +26,7 @@ class ServerConfig:
     drafter_path: Path | None = None
     ngram: NgramConfig | None = None  # n-gram sizes (vLLM's prompt_lookup_min/max)
     limits: ServerLimits = ServerLimits()
+    adaptive: bool = False  # adaptive verification (engine/adaptive.py)
 
 
 def build_server(model: LoadedModel, config: ServerConfig):
@@ -33,7 +34,8 @@ def build_server(model: LoadedModel, config: ServerConfig):
     drafter = make_drafter(config.method, model.decoder, config.target_name or model.name, config.drafter_path,
                            config.ngram)
     k = default_k(drafter, config.num_speculative_tokens)
-    engine = Engine(model.decoder, drafter, EngineConfig(k, model.max_positions, config.max_batch))
+    engine = Engine(model.decoder, drafter, EngineConfig(k, model.max_positions, config.max_batch,
+                                                         adaptive=config.adaptive))
     name = config.served_name or model.name
     worker = EngineWorker(engine, ServerMetrics(name), config.max_queue)
     worker.start()

@@ -31,9 +31,9 @@ def test_draft_follows_the_most_frequent_path_while_probable():
     tree = SuffixTree(max_depth=8)
     for seq in ([7, 1, 2, 3, 4], [7, 1, 2, 3, 4], [7, 1, 2, 3, 4], [7, 1, 2, 5, 6]):
         tree.add(seq)
-    draft, score = tree.best_draft([9, 7, 1, 2], max_tokens=4, min_prob=0.5)
+    draft, score, probs = tree.best_draft([9, 7, 1, 2], max_tokens=4, min_prob=0.5)
     assert draft == [3, 4]  # after [7, 1, 2] the path 3 has probability 3/4, then 4 keeps it at 3/4
-    assert score == 0.75 + 0.75
+    assert probs == [0.75, 0.75] and score == 0.75 + 0.75
     assert tree.best_draft([9, 7, 1, 2], max_tokens=4, min_prob=0.8)[0] == []
 
 

@@ -12,6 +12,8 @@ import torch
 
 from specstand.drafters import Draft, Drafter, SequenceView
 from specstand.engine import Engine, EngineConfig, Request
+from specstand.engine import engine as engine_module
+from specstand.engine.adaptive import PassCost
 from specstand.runner import PassInput, TargetRunner
 from specstand.verification import SamplingParams, target_probs
 from tests.conftest import FORWARDS, random_prompts, tiny_decoder
@@ -62,9 +64,14 @@ def exact_joint(model, prompt: list[int], params: SamplingParams) -> dict[tuple[
     return joint
 
 
-# plain sampling once; with drafts on the Python forward and on the best kernel path
-@pytest.mark.parametrize(("drafted", "forward"), [(False, FORWARDS[0]), (True, FORWARDS[0]), (True, FORWARDS[-1])])
-def test_engine_samples_the_targets_joint_law(drafted, forward):
+# plain sampling once; with drafts on the Python forward and on the best kernel path, fixed and adaptive
+@pytest.mark.parametrize(("drafted", "forward", "adaptive"), [
+    (False, FORWARDS[0], False), (True, FORWARDS[0], False), (True, FORWARDS[-1], False), (True, FORWARDS[-1], True),
+])
+def test_engine_samples_the_targets_joint_law(drafted, forward, adaptive, monkeypatch):
+    # passes priced flat (rows free): adaptive verification keeps every draft position that may be
+    # accepted, whatever the machine's timings, so the run is deterministic
+    monkeypatch.setattr(engine_module, "profile_pass_cost", lambda run_pass, max_rows: PassCost([1], [1.0]))
     model = tiny_decoder("llama", torch.bfloat16 if forward != "python" else torch.float32, forward=forward)
     prompt = random_prompts(1, 20, seed=8)[0]
     params = SamplingParams(**PARAMS)
@@ -73,7 +80,7 @@ def test_engine_samples_the_targets_joint_law(drafted, forward):
     for (a, b, _), p in joint.items():
         best[a] = max(best.get(a, (0.0, b)), (p, b))
     drafter = FixedDrafter({a: b for a, (_, b) in best.items()}) if drafted else None
-    engine = Engine(model, drafter, EngineConfig(2, 128, 16))
+    engine = Engine(model, drafter, EngineConfig(2, 128, 16, adaptive=adaptive))
     # three tokens asked, so the second step may carry a draft (a pass never drafts past max_tokens)
     results = engine.generate([Request(prompt, 3, SamplingParams(**PARAMS, seed=seed)) for seed in range(SAMPLES)])
     counts: dict[tuple[int, ...], int] = {}

@@ -84,6 +84,10 @@ def test_engine_is_token_identical_with_trained_drafters(method, dtype, forward,
         drafter = make_drafter(method, decoder, drafter_path=trained[method, steps])
         drafted = Engine(decoder, drafter, EngineConfig(5, 512, 3)).generate(requests)
         assert [r.output_ids for r in drafted] == [r.output_ids for r in plain]
+        # adaptive verification cuts drafts, never answers
+        drafter = make_drafter(method, decoder, drafter_path=trained[method, steps])
+        adaptive = Engine(decoder, drafter, EngineConfig(5, 512, 3, adaptive=True)).generate(requests)
+        assert [r.output_ids for r in adaptive] == [r.output_ids for r in plain]
 
 
 def test_dpace_weights_match_a_hand_computed_example():

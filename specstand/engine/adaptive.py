@@ -1,0 +1,166 @@
+"""Confidence-scheduled, load-aware verification: how many draft tokens each request sends to the target.
+
+Every step each request's draft position i gets a survival score, the estimated probability that it and
+every position before it are accepted (a running product of per-position acceptance estimates). With R
+requests in the step, verifying the B most likely positions of all of them emits R + (sum of their
+survival scores) tokens in expectation and costs the draft plus one pass of R + B rows, so the step takes
+the B that maximises tokens per second, and each request keeps its share of that global top B. Under
+load a pass of many rows costs more, so drafts shrink; when no budget beats plain decoding, drafting
+itself pauses (and is probed again later, so the estimates stay fresh).
+
+Cutting a draft never changes an answer: the target verifies whatever prefix is left.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from specstand.drafters import Draft
+
+
+@dataclass
+class AcceptanceModel:
+    """P(draft position i is accepted | every earlier one was) = sigmoid(w . [1, confidence, i]), where
+    `confidence` is the drafter's own per-token signal (a logit margin, a match count, a path probability:
+    any scale). Refit online by a few Newton steps on the latest outcomes every `refit_every` updates."""
+
+    prior: float = 0.5  # the estimate before any outcome is seen
+    window: int = 4096  # outcomes kept for the fit
+    refit_every: int = 100
+    l2: float = 1e-2
+    _features: list[tuple[float, float]] = field(default_factory=list)
+    _labels: list[float] = field(default_factory=list)
+    _weights: np.ndarray | None = None
+    _since_fit: int = 0
+
+    def probabilities(self, confidence: list[float]) -> np.ndarray:
+        if self._weights is None:
+            return np.full(len(confidence), self.prior)
+        x = self._design(np.asarray(confidence, dtype=np.float64), np.arange(len(confidence), dtype=np.float64))
+        return 1.0 / (1.0 + np.exp(-(x @ self._weights)))
+
+    def observe(self, confidence: list[float], drafted: int, accepted: int) -> None:
+        """A verified draft of `drafted` tokens had its first `accepted` accepted: positions up to the first
+        rejection are outcomes; positions after it were never judged."""
+        for i in range(min(drafted, accepted + 1)):
+            self._features.append((confidence[i], float(i)))
+            self._labels.append(1.0 if i < accepted else 0.0)
+        if len(self._labels) > self.window:
+            del self._features[: -self.window], self._labels[: -self.window]
+        self._since_fit += 1
+        if self._since_fit >= self.refit_every or (self._weights is None and len(self._labels) >= 64):
+            self._fit()
+
+    @staticmethod
+    def _design(confidence: np.ndarray, position: np.ndarray) -> np.ndarray:
+        return np.stack([np.ones_like(confidence), confidence, position], axis=1)
+
+    def _fit(self) -> None:
+        self._since_fit = 0
+        data = np.asarray(self._features, dtype=np.float64)
+        labels = np.asarray(self._labels, dtype=np.float64)
+        x = self._design(data[:, 0], data[:, 1])
+        w = np.zeros(3) if self._weights is None else self._weights.copy()
+        for _ in range(8):  # Newton's method on the L2-regularised log loss
+            p = 1.0 / (1.0 + np.exp(-(x @ w)))
+            gradient = x.T @ (p - labels) + self.l2 * w
+            hessian = (x * (p * (1 - p))[:, None]).T @ x + self.l2 * np.eye(3)
+            w -= np.linalg.solve(hessian, gradient)
+        self._weights = w
+
+
+@dataclass
+class PassCost:
+    """Seconds of one target pass by its total row count, interpolated between profiled row counts."""
+
+    rows: list[int]
+    seconds: list[float]
+
+    def __call__(self, rows: int) -> float:
+        return float(np.interp(rows, self.rows, self.seconds))
+
+
+def profile_pass_cost(run_pass: Callable[[int], None], max_rows: int, repeats: int = 3) -> PassCost:
+    """Time `run_pass(rows)` at 1, 2, 4, ... up to max_rows rows (median of `repeats`, after one warm-up)."""
+    counts = sorted({min(2**i, max_rows) for i in range(max_rows.bit_length() + 1)})
+    seconds = []
+    for rows in counts:
+        run_pass(rows)
+        times = []
+        for _ in range(repeats):
+            start = time.perf_counter()
+            run_pass(rows)
+            times.append(time.perf_counter() - start)
+        seconds.append(float(np.median(times)))
+    return PassCost(counts, list(np.maximum.accumulate(seconds)))  # more rows never cost less
+
+
+def choose_budget(survival: list[np.ndarray], verify_cost: Callable[[int], float], draft_cost: float) -> list[int]:
+    """Draft tokens to verify per request: the B most likely positions over all requests, B maximising
+    (requests + their summed survival) / (draft_cost + verify_cost(requests + B))."""
+    requests = len(survival)
+    ranked = sorted(((float(s), r) for r, row in enumerate(survival) for s in row), reverse=True)
+    expected, best, best_budget = float(requests), requests / (draft_cost + verify_cost(requests)), 0
+    for budget, (score, _) in enumerate(ranked, start=1):
+        expected += score
+        value = expected / (draft_cost + verify_cost(requests + budget))
+        if value > best:
+            best, best_budget = value, budget
+    counts = [0] * requests
+    for _, r in ranked[:best_budget]:
+        counts[r] += 1
+    return counts
+
+
+@dataclass
+class AdaptiveVerifier:
+    """The per-engine state of adaptive verification: acceptance model, pass costs, draft cost, pauses."""
+
+    pass_cost: PassCost
+    acceptance: AcceptanceModel = field(default_factory=AcceptanceModel)
+    draft_seconds: float = 0.0  # running mean of a step's drafting time
+    max_pause: int = 16  # steps without drafting, at most, before drafting is tried again
+    _pause: int = 0  # steps left without drafting
+    _backoff: int = 0
+    _probing: bool = False  # the first drafting step after a pause verifies a token of every draft
+
+    def should_draft(self) -> bool:
+        if self._pause > 0:
+            self._pause -= 1
+            self._probing = self._pause == 0
+            return False
+        return True
+
+    def record_draft_time(self, seconds: float) -> None:
+        self.draft_seconds = seconds if self.draft_seconds == 0.0 else 0.8 * self.draft_seconds + 0.2 * seconds
+
+    def trim(self, drafts: list[Draft]) -> list[Draft]:
+        """Cut each draft to its share of the step's budget; pause drafting if no budget paid for it."""
+        if not any(d.tokens for d in drafts):
+            return drafts
+        survival = [np.cumprod(self.acceptance.probabilities(_confidence(d))) for d in drafts]
+        counts = choose_budget(survival, self.pass_cost, self.draft_seconds)
+        if self._probing:  # outcomes keep the estimates honest even while they advise against drafting
+            counts = [max(n, min(1, len(d.tokens))) for n, d in zip(counts, drafts, strict=True)]
+            self._probing = False
+        requests, expected = len(drafts), sum(float(s[:n].sum()) for s, n in zip(survival, counts, strict=True))
+        drafted_rate = (requests + expected) / (self.draft_seconds + self.pass_cost(requests + sum(counts)))
+        if drafted_rate < requests / self.pass_cost(requests):  # plain decoding would have been faster
+            self._backoff = min(max(2 * self._backoff, 1), self.max_pause)
+            self._pause = self._backoff
+        else:
+            self._backoff = 0
+        return [d.cut(n) for d, n in zip(drafts, counts, strict=True)]
+
+    def observe(self, draft: Draft, accepted: int) -> None:
+        if draft.tokens:
+            self.acceptance.observe(_confidence(draft), len(draft.tokens), accepted)
+
+
+def _confidence(draft: Draft) -> list[float]:
+    return draft.confidence if draft.confidence is not None else [0.0] * len(draft.tokens)
+

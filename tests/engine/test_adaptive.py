@@ -1,0 +1,80 @@
+"""Adaptive verification: the budget rule, the acceptance estimate, and answers that never change."""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import pytest
+import torch
+
+from specstand.drafters import DRAFTERS, Draft, Drafter, SequenceView, make_drafter
+from specstand.engine import Engine, EngineConfig, Request
+from specstand.engine import engine as engine_module
+from specstand.engine.adaptive import AcceptanceModel, PassCost, choose_budget
+from tests.conftest import FORWARDS, random_prompts, tiny_decoder
+
+
+def test_budget_takes_the_positions_that_pay_for_their_rows():
+    survival = [np.array([0.9, 0.8]), np.array([0.1])]
+    assert choose_budget(survival, lambda rows: 1.0, 0.0) == [2, 1]  # rows are free: verify everything
+    assert choose_budget(survival, lambda rows: float(rows), 0.0) == [0, 0]  # a row costs a whole pass
+    # 1 + 0.1 r: B=0 2/1.2, B=1 2.9/1.3, B=2 3.7/1.4 (best), B=3 3.8/1.5
+    assert choose_budget(survival, lambda rows: 1.0 + 0.1 * rows, 0.0) == [2, 0]
+
+
+def test_pass_cost_interpolates_between_profiled_rows():
+    cost = PassCost([1, 2, 4, 8], [1.0, 1.0, 1.2, 2.0])
+    assert cost(3) == pytest.approx(1.1) and cost(6) == pytest.approx(1.6) and cost(16) == 2.0
+
+
+def test_acceptance_model_learns_what_the_confidence_signal_means():
+    rng = np.random.default_rng(0)
+    model = AcceptanceModel(refit_every=50)
+    assert model.probabilities([5.0])[0] == model.prior
+    for _ in range(400):
+        confidence = rng.normal(0.0, 2.0, size=4).tolist()
+        accepted = next((i for i, c in enumerate(confidence) if c + rng.normal(0.0, 0.5) < 0), 4)
+        model.observe(confidence, 4, accepted)
+    high, low = model.probabilities([4.0, -4.0])
+    assert high > 0.9 and low < 0.1
+
+
+class WrongAndSlow(Drafter):
+    """Always wrong, and each draft takes a while: drafting can only lose."""
+
+    name = "wrong-and-slow"
+
+    def __init__(self) -> None:
+        self.calls = 0
+
+    def propose(self, seq: SequenceView, max_tokens: int) -> Draft:
+        self.calls += 1
+        time.sleep(0.02)
+        return Draft([95] * max_tokens, confidence=[0.0] * max_tokens)
+
+
+def test_a_drafter_that_cannot_pay_is_mostly_not_asked():
+    model = tiny_decoder("llama", torch.float32)
+    drafter = WrongAndSlow()
+    engine = Engine(model, drafter, EngineConfig(4, 512, 1, adaptive=True))
+    result = engine.generate([Request(random_prompts(1, 20, seed=1)[0], 64)])[0]
+    plain = Engine(model, None, EngineConfig(4, 512, 1)).generate([Request(random_prompts(1, 20, seed=1)[0], 64)])[0]
+    assert result.output_ids == plain.output_ids
+    assert drafter.calls < result.stats.target_passes / 3
+
+
+@pytest.mark.parametrize("forward", FORWARDS)
+def test_every_drafter_with_adaptive_verification_is_token_identical(forward, monkeypatch):
+    # rows priced as on a CPU with matrix units (nearly free): drafts are kept, so verification is exercised
+    monkeypatch.setattr(engine_module, "profile_pass_cost", lambda run_pass, max_rows: PassCost([1, 64], [1.0, 1.1]))
+    dtype = torch.float32 if forward == "python" else torch.bfloat16
+    model = tiny_decoder("qwen2", dtype, forward=forward)
+    prompts = random_prompts(6, 40, seed=3)
+    requests = [Request(p, 40) for p in prompts]
+    plain = [r.output_ids for r in Engine(model, None, EngineConfig(5, 512, 1)).generate(requests)]
+    for method in DRAFTERS:
+        engine = Engine(model, make_drafter(method), EngineConfig(5, 512, 3, adaptive=True))
+        results = engine.generate(requests)
+        assert [r.output_ids for r in results] == plain, method
+        assert sum(r.stats.accepted_tokens for r in results) > 0, method

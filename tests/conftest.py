@@ -18,6 +18,7 @@ from transformers import (
 )
 
 from specstand import kernels
+from specstand.engine.adaptive import PassCost
 from specstand.models import load_model
 from specstand.runner.compiled import attach_compiled
 from specstand.runner.transformer import DecoderModel
@@ -74,6 +75,13 @@ def tiny_decoder(
     if forward != "python":
         assert attach_compiled(model, forward) is not None
     return model
+
+
+class FixedCost(PassCost):
+    """A pass cost that ignores the passes actually timed: adaptive decisions stop depending on the machine."""
+
+    def observe(self, rows: int, seconds: float) -> None:
+        pass
 
 
 def random_prompts(count: int, length: int, seed: int, alphabet: int = 12) -> list[list[int]]:

@@ -75,13 +75,21 @@ class AcceptanceModel:
 
 @dataclass
 class PassCost:
-    """Seconds of one target pass by its total row count, interpolated between profiled row counts."""
+    """Seconds of one target pass by its total row count: the profile's shape (interpolated between its
+    row counts) times a scale that follows the passes actually run (memory bandwidth drifts, neighbours
+    load the host, contexts grow, and the start-up profile may itself have run on a busy machine)."""
 
     rows: list[int]
     seconds: list[float]
+    scale: float = 1.0
 
     def __call__(self, rows: int) -> float:
-        return float(np.interp(rows, self.rows, self.seconds))
+        return self.scale * float(np.interp(rows, self.rows, self.seconds))
+
+    def observe(self, rows: int, seconds: float) -> None:
+        predicted = float(np.interp(rows, self.rows, self.seconds))
+        if predicted > 0:
+            self.scale = 0.9 * self.scale + 0.1 * seconds / predicted
 
 
 def profile_pass_cost(run_pass: Callable[[int], None], max_rows: int, repeats: int = 3) -> PassCost:

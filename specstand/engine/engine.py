@@ -191,7 +191,11 @@ class Engine:
             proposals = [(r, state, draft) for (r, state, _), draft in zip(proposals, drafts, strict=True)]
         work = [_Work(r, state, [state.seq.token_ids[-1], *draft.tokens], draft) for r, state, draft in proposals]
         work += self._prompt_chunks()
-        for item, output in self._pass(work, events):
+        started = time.perf_counter()
+        done = self._pass(work, events)
+        if self._adaptive is not None and done and all(item.draft is not None for item in work):
+            self._adaptive.pass_cost.observe(sum(len(item.tokens) for item in work), time.perf_counter() - started)
+        for item, output in done:
             try:
                 if item.draft is None:
                     events += self._prompt_progress(item.request_id, item.state, output)

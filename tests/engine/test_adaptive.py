@@ -12,7 +12,7 @@ from specstand.drafters import DRAFTERS, Draft, Drafter, SequenceView, make_draf
 from specstand.engine import Engine, EngineConfig, Request
 from specstand.engine import engine as engine_module
 from specstand.engine.adaptive import AcceptanceModel, PassCost, choose_budget
-from tests.conftest import FORWARDS, random_prompts, tiny_decoder
+from tests.conftest import FORWARDS, FixedCost, random_prompts, tiny_decoder
 
 
 def test_budget_takes_the_positions_that_pay_for_their_rows():
@@ -23,9 +23,12 @@ def test_budget_takes_the_positions_that_pay_for_their_rows():
     assert choose_budget(survival, lambda rows: 1.0 + 0.1 * rows, 0.0) == [2, 0]
 
 
-def test_pass_cost_interpolates_between_profiled_rows():
+def test_pass_cost_interpolates_between_profiled_rows_and_follows_measured_passes():
     cost = PassCost([1, 2, 4, 8], [1.0, 1.0, 1.2, 2.0])
     assert cost(3) == pytest.approx(1.1) and cost(6) == pytest.approx(1.6) and cost(16) == 2.0
+    for _ in range(100):  # the machine got twice as slow as when it was profiled
+        cost.observe(8, 4.0)
+    assert cost(1) == pytest.approx(2.0, rel=1e-3) and cost(6) == pytest.approx(3.2, rel=1e-3)
 
 
 def test_acceptance_model_learns_what_the_confidence_signal_means():
@@ -67,7 +70,7 @@ def test_a_drafter_that_cannot_pay_is_mostly_not_asked():
 @pytest.mark.parametrize("forward", FORWARDS)
 def test_every_drafter_with_adaptive_verification_is_token_identical(forward, monkeypatch):
     # rows priced as on a CPU with matrix units (nearly free): drafts are kept, so verification is exercised
-    monkeypatch.setattr(engine_module, "profile_pass_cost", lambda run_pass, max_rows: PassCost([1, 64], [1.0, 1.1]))
+    monkeypatch.setattr(engine_module, "profile_pass_cost", lambda run_pass, max_rows: FixedCost([1, 64], [1.0, 1.1]))
     dtype = torch.float32 if forward == "python" else torch.bfloat16
     model = tiny_decoder("qwen2", dtype, forward=forward)
     prompts = random_prompts(6, 40, seed=3)

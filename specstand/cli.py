@@ -94,7 +94,8 @@ def build_parser() -> argparse.ArgumentParser:
                        help="also serve a target configured by vLLM's JSON (repeatable; needs --model)")
     bench.add_argument("--k", type=int, default=None, help="draft tokens per pass (default 5; DFlash: block - 1)")
     bench.add_argument("--dtype", default="bf16", choices=["bf16", "fp32"])
-    bench.add_argument("--max-seq-len", type=int, default=2048)
+    bench.add_argument("--max-seq-len", type=int, default=None,
+                       help="context of each specstand server (default: the workload's longest call needs)")
     bench.add_argument("--max-batch", type=int, default=8, help="requests each specstand server decodes together")
     bench.add_argument("--users", default="1,4", help="comma-separated concurrent user counts")
     bench.add_argument("--repeats", type=int, default=3)
@@ -396,7 +397,16 @@ def _parse_users(text: str) -> list[int]:
 def cmd_bench(args: argparse.Namespace) -> None:
     import asyncio
 
-    from specstand.bench.run import ADAPTIVE, BenchConfig, Target, run_bench, start_server, stop_servers, wait_ready
+    from specstand.bench.run import (
+        ADAPTIVE,
+        BenchConfig,
+        Target,
+        run_bench,
+        start_server,
+        stop_servers,
+        wait_ready,
+        workload_context,
+    )
     from specstand.workloads import load_workload
 
     users = _parse_users(args.users)
@@ -424,6 +434,9 @@ def cmd_bench(args: argparse.Namespace) -> None:
             raise CliError(f"--endpoint takes NAME=URL, not {spec!r}")
         targets.append(Target(name, url))
     drafters = _drafters_by_method(args.drafter)
+    if args.model and (methods or configured) and args.max_seq_len is None:
+        args.max_seq_len = workload_context(turns, args.model, max(args.k or 0, 15))
+        _log(f"context per request: {args.max_seq_len} tokens (the workload's longest prompt + answer + K + 1)")
     try:
         for method in methods:
             targets.append(start_server(method, args.model, args.k, args.max_batch, args.dtype, args.max_seq_len,
@@ -437,7 +450,8 @@ def cmd_bench(args: argparse.Namespace) -> None:
         if baseline not in [t.name for t in targets]:
             raise CliError(f"--baseline {baseline!r} is not one of the targets")
         config = BenchConfig(str(args.workload), users, args.repeats, args.out, baseline,
-                             {"model": args.model, "dtype": args.dtype, "max_batch": args.max_batch})
+                             {"model": args.model, "dtype": args.dtype, "max_batch": args.max_batch,
+                              "max_seq_len": args.max_seq_len})
         try:
             table = asyncio.run(run_bench(targets, turns, config))
         except KeyboardInterrupt:

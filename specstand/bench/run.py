@@ -19,6 +19,7 @@ from specstand.bench.endpoints import OpenAIEndpoint
 from specstand.bench.replay import assign_turns, replay
 from specstand.bench.report import RunResult, write_report
 from specstand.drafters.trained import read_spec, shipped_drafter
+from specstand.models.loading import resolve_model_path
 from specstand.workloads import Turn
 
 SERVER_START_TIMEOUT_S = 600
@@ -77,6 +78,26 @@ def start_server(method: str, model: str, k: int | None, max_batch: int, dtype: 
     with log.open("w") as sink:
         process = subprocess.Popen(cmd, stdout=sink, stderr=subprocess.STDOUT, env=os.environ.copy())
     return Target(method, f"http://127.0.0.1:{port}", k if method != "none" else None, process, log)
+
+
+def workload_context(turns: list[Turn], model: str, k: int) -> int:
+    """The context a server needs for every call of `turns`: its longest prompt (through the model's chat
+    template) + its answer budget + K + 1, rounded up to 256 and capped at the model's own limit."""
+    from transformers import AutoConfig, AutoTokenizer
+
+    path = resolve_model_path(model, log=lambda _: None)
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    longest = 0
+    for call in (c for turn in turns for c in turn.calls):
+        if call.messages is not None:
+            prompt = tokenizer.apply_chat_template(call.messages, tools=call.tools, add_generation_prompt=True,
+                                                   tokenize=False)
+            tokens = len(tokenizer(prompt, add_special_tokens=False)["input_ids"])
+        else:
+            tokens = len(tokenizer(call.prompt or "", add_special_tokens=True)["input_ids"])
+        longest = max(longest, tokens + call.max_tokens + k + 1)
+    limit = getattr(AutoConfig.from_pretrained(path), "max_position_embeddings", None) or longest
+    return min(-(-longest // 256) * 256, limit)
 
 
 def _default_k(method: str, model: str, drafter: Path | None) -> int:

@@ -2,6 +2,7 @@
 
 import json
 
+from specstand.bench.run import workload_context
 from specstand.cli import main
 from specstand.workloads import Call, Turn, save_workload
 
@@ -17,14 +18,14 @@ def test_bench_runs_methods_side_by_side(tmp_path, tiny_model_dir, capsys):
     save_workload(turns, workload)
     out = tmp_path / "report"
     code = main(["bench", "--workload", str(workload), "--model", str(tiny_model_dir), "--method", "none,ngram",
-                 "--method", "suffix+adaptive", "--users", "1,2", "--repeats", "1", "--max-seq-len", "512",
-                 "--out", str(out)])
+                 "--method", "suffix+adaptive", "--users", "1,2", "--repeats", "1", "--out", str(out)])
     printed = capsys.readouterr().out
     assert code == 0
     assert "| turn p50, U=2 (s) |" in printed and "| identical to none | 100.0% | 100.0% | 100.0% |" in printed
     assert "suffix+adaptive" in printed
     raw = json.loads((out / "report.json").read_text())
     assert raw["complete"] and len(raw["runs"]) == 3 * 2
+    assert raw["config"]["max_seq_len"] == 256  # sized from the workload: short prompts, 12-token answers
     ngram = raw["summary"]["ngram"]["1"][0]
     assert ngram["tau"] >= 1.0 and ngram["failed_calls"] == 0
     assert (out / "report.md").read_text().count("|") > 20
@@ -44,3 +45,15 @@ def test_bench_argument_errors(tmp_path, capsys):
         code = main(["bench", "--workload", str(workload), "--out", str(tmp_path / "o"), *argv])
         err = capsys.readouterr().err
         assert code != 0 and message in err and len(err.strip().splitlines()) == 1
+
+
+def test_server_context_is_sized_from_the_workload(tiny_model_dir):
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    long_prompt = " ".join(f"w{i % 90}" for i in range(400))
+    turns = [Turn("t", [Call(id="a", prompt=long_prompt, max_tokens=100), Call(id="b", prompt="w3", max_tokens=5)])]
+    needed = len(tokenizer(long_prompt)["input_ids"]) + 100 + 7 + 1
+    assert needed > 256 and workload_context(turns, str(tiny_model_dir), 7) == min(-(-needed // 256) * 256, 1024)
+    longer = [Turn("t", [Call(id="a", prompt=long_prompt * 5, max_tokens=100)])]
+    assert workload_context(longer, str(tiny_model_dir), 7) == 1024  # the model's own limit

@@ -83,25 +83,39 @@ class DFlashDrafter(Drafter):
         self.model = model.eval()
         self.tap_layers = tuple(model.spec.tap_layers)
         self._context: dict[int, list[tuple]] = {}  # request -> per-layer context keys/values
+        # request -> hidden rows not yet turned into context keys/values: that work waits for the next
+        # proposal, so steps without one (adaptive verification pausing drafts) cost a list append
+        self._pending: dict[int, list[HiddenRows]] = {}
 
     def begin(self, seq: SequenceView) -> None:
         self._context[seq.request_id] = []
+        self._pending[seq.request_id] = []
+
+    def extend(self, seq: SequenceView, new_tokens: list[int], hidden: HiddenRows | None = None) -> None:
+        if hidden is not None and hidden.rows:
+            self._pending[seq.request_id].append(hidden)
 
     @torch.inference_mode()
-    def extend(self, seq: SequenceView, new_tokens: list[int], hidden: HiddenRows | None = None) -> None:
-        if hidden is None or not hidden.rows:
+    def _catch_up(self, request_id: int) -> None:
+        pending = self._pending[request_id]
+        if not pending:
             return
-        positions = hidden.positions()
-        new = self.model.context_keys_values(self.model.context(hidden.concat(self.tap_layers)), positions)
-        old = self._context[seq.request_id]
-        self._context[seq.request_id] = new if not old else [
+        positions = torch.cat([h.positions() for h in pending])
+        taps = torch.cat([h.concat(self.tap_layers) for h in pending])
+        pending.clear()
+        new = self.model.context_keys_values(self.model.context(taps), positions)
+        old = self._context[request_id]
+        self._context[request_id] = new if not old else [
             (torch.cat([ok, nk], 1), torch.cat([ov, nv], 1)) for (ok, ov), (nk, nv) in zip(old, new, strict=True)
         ]
 
     @torch.inference_mode()
     def propose(self, seq: SequenceView, max_tokens: int) -> Draft:
-        past = self._context.get(seq.request_id)
-        if not past or max_tokens <= 0:
+        if max_tokens <= 0 or seq.request_id not in self._context:
+            return Draft([])
+        self._catch_up(seq.request_id)
+        past = self._context[seq.request_id]
+        if not past:
             return Draft([])
         b = self.model.spec.block_size
         tokens = torch.full((b,), self.model.spec.mask_token_id)
@@ -114,4 +128,5 @@ class DFlashDrafter(Drafter):
 
     def end(self, seq: SequenceView) -> None:
         self._context.pop(seq.request_id, None)
+        self._pending.pop(seq.request_id, None)
 

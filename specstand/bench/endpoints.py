@@ -55,6 +55,8 @@ class OpenAIEndpoint:
                 key = sample.name
                 if "position" in sample.labels:
                     key += f"[{sample.labels['position']}]"
+                if "rows" in sample.labels:
+                    key += f"[rows={sample.labels['rows']}]"
                 totals[key] = totals.get(key, 0.0) + sample.value
         return totals
 

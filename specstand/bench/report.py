@@ -92,6 +92,7 @@ def run_summary(run: RunResult, calls: dict[tuple[str, str], Call], baseline_tex
         "output_tokens_per_s": sum(c.completion_tokens for c in ok) / run.wall_s if run.wall_s else 0.0,
         "tau": m.get("specstand:emitted_tokens_total", 0.0) / passes if passes else None,
         "tau_per_draft_vllm": 1 + accepted / drafts if drafts else None,
+        "predicted_speedup": _predicted_speedup(m),
         "acceptance_per_position": [v / drafts for _, v in per_position] if drafts else [],
         "broken_json": broken / len(finished) if finished else None,
         "truncated_json": len(truncated) / len(expected_json) if expected_json else None,
@@ -99,6 +100,22 @@ def run_summary(run: RunResult, calls: dict[tuple[str, str], Call], baseline_tex
         "failed_calls": len(records) - len(ok),
         "calls": len(records),
     }
+
+
+def _predicted_speedup(m: dict[str, float]) -> float | None:
+    """Decode speedup over plain decoding that the run's own figures predict: tau x T(1 row) / (mean pass
+    cost + draft time per pass), passes with a draft costing a full verify (K + 1 rows, profiled by the
+    server at start) and the others one row. None where the server does not report these (not specstand)."""
+    passes = m.get("specstand:target_passes_total", 0.0)
+    profiled = {int(k.split("[rows=")[1][:-1]): v for k, v in m.items()
+                if k.startswith("specstand:pass_seconds_profiled[rows=")}
+    if not passes or not profiled:
+        return None
+    step, verify = profiled[min(profiled)], profiled[max(profiled)]
+    drafted = m.get("vllm:spec_decode_num_drafts_total", 0.0)
+    mean_pass = (drafted * verify + (passes - drafted) * step) / passes
+    tau = m.get("specstand:emitted_tokens_total", 0.0) / passes
+    return tau * step / (mean_pass + m.get("specstand:draft_seconds_total", 0.0) / passes)
 
 
 def summarize(runs: list[RunResult], turns: list[Turn], baseline: str) -> dict:
@@ -158,6 +175,7 @@ def render_markdown(summary: dict, targets: list[str], users: list[int], baselin
     for label, key, fmt in (
         ("tau (all passes)", "tau", "{:.2f}"),
         ("tau per draft (vLLM: 1+accepted/drafts)", "tau_per_draft_vllm", "{:.2f}"),
+        ("predicted decode speedup: tau x T(1) / (pass + draft)", "predicted_speedup", "x{:.2f}"),
     ):
         cells = []
         for t in targets:

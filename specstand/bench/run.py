@@ -158,7 +158,9 @@ async def run_bench(targets: list[Target], turns: list[Turn], config: BenchConfi
                         before = await endpoint.scrape_metrics()
                         records, wall = await replay(turns, endpoint, users, on_turn=lambda _: bar.update())
                         after = await endpoint.scrape_metrics()
-                        delta = {key: after[key] - before.get(key, 0.0) for key in after}
+                        # counters as the run's increase; profiled figures (gauges) as they stand
+                        delta = {key: after[key] if "_profiled" in key else after[key] - before.get(key, 0.0)
+                                 for key in after}
                         runs.append(RunResult(name, users, repeat, wall, records, delta))
                         report(complete=False)
         return report(complete=True)

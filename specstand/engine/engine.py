@@ -283,8 +283,16 @@ class Engine:
         ]
         return self.runner.run(inputs, width, self.tap_layers)
 
-    def _profile_pass_cost(self) -> PassCost:
+    def pass_cost(self) -> PassCost:
+        """Seconds of a target pass by rows (adaptive verification's profile, else one of up to K + 1 rows
+        taken now): call it before any request, as it runs passes in a scratch slot."""
+        if self._adaptive is not None:
+            return self._adaptive.pass_cost
+        return self._profile_pass_cost(self.width)
+
+    def _profile_pass_cost(self, max_rows: int | None = None) -> PassCost:
         """Time target passes of 1 .. max_batch * (K + 1) rows in a scratch slot (before any request)."""
+        max_rows = max_rows or self.config.max_batch * self.width
         slot = self.runner.cache.allocate()
 
         def run_pass(rows: int) -> None:
@@ -292,7 +300,7 @@ class Engine:
             self.runner.run([PassInput(slot, [0] * rows)], -(-rows // self.row_unit) * self.row_unit)
 
         try:
-            return profile_pass_cost(run_pass, min(self.config.max_batch * self.width, self.runner.capacity // 2))
+            return profile_pass_cost(run_pass, min(max_rows, self.runner.capacity // 2))
         finally:
             self.runner.cache.release(slot)
 
@@ -386,7 +394,10 @@ class Engine:
         budget = min(self.config.num_speculative_tokens, state.request.max_tokens - state.emitted - 1)
         if self.drafter is None or budget <= 0:
             return Draft([])
-        return self.drafter.propose(state.seq, budget).cut(budget)
+        started = time.perf_counter()
+        draft = self.drafter.propose(state.seq, budget).cut(budget)
+        state.stats.draft_seconds += time.perf_counter() - started
+        return draft
 
     @staticmethod
     def _verify(state: _Running, draft: Draft, logits: torch.Tensor) -> Verdict:

@@ -15,6 +15,7 @@ class DecodeStats:
     drafted_per_position: list[int] = field(default_factory=list)  # drafts that reached position i
     accepted_per_position: list[int] = field(default_factory=list)  # ... and were accepted there
     cached_prompt_tokens: int = 0  # prompt positions reused from an earlier call's cache
+    draft_seconds: float = 0.0  # time its drafter spent proposing
 
     def record_pass(self, drafted: int, accepted: int, emitted: int) -> None:
         self.target_passes += 1
@@ -33,7 +34,7 @@ class DecodeStats:
 
     def merge(self, other: DecodeStats) -> None:
         for name in ("target_passes", "passes_with_draft", "drafted_tokens", "accepted_tokens", "emitted_tokens",
-                     "cached_prompt_tokens"):
+                     "cached_prompt_tokens", "draft_seconds"):
             setattr(self, name, getattr(self, name) + getattr(other, name))
         for mine, theirs in ((self.drafted_per_position, other.drafted_per_position),
                              (self.accepted_per_position, other.accepted_per_position)):

@@ -37,6 +37,10 @@ def build_server(model: LoadedModel, config: ServerConfig):
     engine = Engine(model.decoder, drafter, EngineConfig(k, model.max_positions, config.max_batch,
                                                          adaptive=config.adaptive))
     name = config.served_name or model.name
-    worker = EngineWorker(engine, ServerMetrics(name), config.max_queue)
+    metrics = ServerMetrics(name)
+    cost = engine.pass_cost()  # for the stand's predicted speedup: a plain step and a full verify
+    for rows in sorted({1, engine.width}):
+        metrics.set_pass_seconds(rows, cost(rows))
+    worker = EngineWorker(engine, metrics, config.max_queue)
     worker.start()
     return create_app(model, worker, name, config.limits), worker

@@ -30,6 +30,10 @@ class ServerMetrics:
         self.tau = Gauge("specstand:tau", "Emitted tokens per target pass over all passes (cumulative).", labels,
                          registry=r)
         self.waiting = Gauge("specstand:requests_waiting", "Requests queued or running.", labels, registry=r)
+        self.draft_seconds = counter("specstand:draft_seconds", "Time drafters spent proposing.")
+        self.pass_seconds = Gauge("specstand:pass_seconds_profiled", "A target pass's seconds by rows, profiled at "
+                                  "start (1 row: a plain step; K + 1 rows: a full verify).", [*labels, "rows"],
+                                  registry=r)
         self._model = model_name
         self._totals = DecodeStats()
 
@@ -44,9 +48,13 @@ class ServerMetrics:
         self.passes_without_draft.labels(m).inc(stats.target_passes - stats.passes_with_draft)
         self.emitted_tokens.labels(m).inc(stats.emitted_tokens)
         self.cached_prompt_tokens.labels(m).inc(stats.cached_prompt_tokens)
+        self.draft_seconds.labels(m).inc(stats.draft_seconds)
         self.requests.labels(m, outcome).inc()
         self._totals.merge(stats)
         self.tau.labels(m).set(self._totals.tau)
+
+    def set_pass_seconds(self, rows: int, seconds: float) -> None:
+        self.pass_seconds.labels(self._model, str(rows)).set(seconds)
 
     def record_cancelled(self) -> None:
         self.requests.labels(self._model, "cancelled").inc()

@@ -65,3 +65,17 @@ def test_table_marks_differences_inside_the_spread(tmp_path):
     assert RunResult.from_dict(raw["runs"][2]).turns[0].calls[0].text == '{"a": 1}'
     assert (tmp_path / "acceptance_per_position.png").stat().st_size > 0
     assert (tmp_path / "turn_p50_vs_users.png").stat().st_size > 0
+
+
+def test_predicted_speedup_from_acceptance_and_profiled_costs():
+    workload = [Turn("t0", [Call(id="a", prompt="p")])]
+    # 10 passes, 8 with a draft (verify 0.012 s), 2 without (step 0.010 s), 0.01 s drafting in all, tau 2.5:
+    # 2.5 x 0.010 / ((8 x 0.012 + 2 x 0.010) / 10 + 0.001) = 0.025 / 0.0126
+    metrics = {"specstand:target_passes_total": 10, "specstand:emitted_tokens_total": 25,
+               "vllm:spec_decode_num_drafts_total": 8, "specstand:draft_seconds_total": 0.01,
+               "specstand:pass_seconds_profiled[rows=1]": 0.010, "specstand:pass_seconds_profiled[rows=6]": 0.012}
+    summary = summarize([_run("fast", 1, 0, 1.0, ["x"], metrics), _run("peer", 1, 0, 1.0, ["x"])], workload, "fast")
+    assert abs(summary["fast"][1][0]["predicted_speedup"] - 0.025 / 0.0126) < 1e-9
+    assert summary["peer"][1][0]["predicted_speedup"] is None  # a server that does not report them
+    table = render_markdown(summary, ["fast", "peer"], [1], "fast", {})
+    assert "| predicted decode speedup: tau x T(1) / (pass + draft) | x1.98 | – |" in table

@@ -170,6 +170,8 @@ def test_metrics_use_vllm_names_and_count_what_happened(server):
     assert grew("specstand:passes_without_draft_total") == stats["target_passes"] - stats["passes_with_draft"]
     assert grew("specstand:emitted_tokens_total") == reply.usage.completion_tokens
     assert after["specstand:tau"] > 1.0
+    assert abs(grew("specstand:draft_seconds_total") - stats["draft_seconds"]) < 1e-6
+    assert after["specstand:pass_seconds_profiled"] > 0  # a plain step and a full verify, profiled at start
 
 
 def test_disconnect_frees_the_slot(tiny_model_dir):

@@ -24,8 +24,9 @@ test: lint
 DEMO := out/demo
 
 # The stand on the default model: two ComplexFuncBench agent turns, 1 and 4 users, plain decoding against
-# n-gram, suffix and the shipped DFlash drafter (fixed K and adaptive). The turns are past those the shipped drafters were trained
-# on (training stopped at complexfuncbench-571; with this filter, turn 300 is complexfuncbench-603).
+# n-gram, suffix and the shipped DFlash drafter (fixed K and adaptive). The turns are past those the shipped
+# drafters were trained on (training stopped at complexfuncbench-571; with this filter, turn 300 is
+# complexfuncbench-603).
 demo: install
 	$(VENV)/bin/specstand models fetch $(MODEL)
 	mkdir -p $(DEMO)

@@ -438,14 +438,18 @@ def cmd_bench(args: argparse.Namespace) -> None:
         args.max_seq_len = workload_context(turns, args.model, max(args.k or 0, 15))
         _log(f"context per request: {args.max_seq_len} tokens (the workload's longest prompt + answer + K + 1)")
     try:
+        for target in targets:
+            wait_ready(target)
+        # one server at a time: each profiles its passes at start (adaptive verification, the predicted
+        # speedup), which another server loading beside it would distort
         for method in methods:
             targets.append(start_server(method, args.model, args.k, args.max_batch, args.dtype, args.max_seq_len,
                                         drafters.get(method.removesuffix(ADAPTIVE))))
+            wait_ready(targets[-1])
         for name, text in configured:
             targets.append(start_server(name, args.model, None, args.max_batch, args.dtype, args.max_seq_len,
                                         speculative_config=text))
-        for target in targets:
-            wait_ready(target)
+            wait_ready(targets[-1])
         baseline = args.baseline or targets[0].name
         if baseline not in [t.name for t in targets]:
             raise CliError(f"--baseline {baseline!r} is not one of the targets")

@@ -80,7 +80,7 @@ def tiny_decoder(
 class FixedCost(PassCost):
     """A pass cost that ignores the passes actually timed: adaptive decisions stop depending on the machine."""
 
-    def observe(self, rows: int, seconds: float) -> None:
+    def observe(self, rows: int, seconds: float, keys: float = 0.0) -> None:
         pass
 
 

@@ -75,47 +75,62 @@ class AcceptanceModel:
 
 @dataclass
 class PassCost:
-    """Seconds of one target pass by its total row count: the profile's shape (interpolated between its
-    row counts) times a scale that follows the passes actually run (memory bandwidth drifts, neighbours
-    load the host, contexts grow, and the start-up profile may itself have run on a busy machine)."""
+    """Seconds of one target pass by its total rows and the cached positions they attend over (keys): the
+    profile's shape (interpolated between its row counts, plus a cost per row-key for attention) times a
+    scale that follows the passes actually run (memory bandwidth drifts, neighbours load the host, and the
+    start-up profile may itself have run on a busy machine)."""
 
     rows: list[int]
     seconds: list[float]
+    per_key: float = 0.0  # seconds per row per cached position it attends over
     scale: float = 1.0
 
-    def __call__(self, rows: int) -> float:
-        return self.scale * float(np.interp(rows, self.rows, self.seconds))
+    def __call__(self, rows: int, keys: float = 0.0) -> float:
+        return self.scale * self._profiled(rows, keys)
 
-    def observe(self, rows: int, seconds: float) -> None:
-        predicted = float(np.interp(rows, self.rows, self.seconds))
+    def observe(self, rows: int, seconds: float, keys: float = 0.0) -> None:
+        predicted = self._profiled(rows, keys)
         if predicted > 0:
             self.scale = 0.9 * self.scale + 0.1 * seconds / predicted
 
+    def _profiled(self, rows: int, keys: float) -> float:
+        return float(np.interp(rows, self.rows, self.seconds)) + self.per_key * keys
 
-def profile_pass_cost(run_pass: Callable[[int], None], max_rows: int, repeats: int = 3) -> PassCost:
-    """Time `run_pass(rows)` at 1, 2, 4, ... up to max_rows rows (median of `repeats`, after one warm-up)."""
-    counts = sorted({min(2**i, max_rows) for i in range(max_rows.bit_length() + 1)})
-    seconds = []
-    for rows in counts:
-        run_pass(rows)
+
+def profile_pass_cost(run_pass: Callable[[int, int], None], max_rows: int, context: int, repeats: int = 3) -> PassCost:
+    """Time `run_pass(rows, cached)` at 1, 2, 4, ... up to max_rows rows over an empty cache, then the
+    largest of them over `context` cached positions for the attention term (medians of `repeats`, after
+    one warm-up each)."""
+
+    def timed(rows: int, cached: int) -> float:
+        run_pass(rows, cached)
         times = []
         for _ in range(repeats):
             start = time.perf_counter()
-            run_pass(rows)
+            run_pass(rows, cached)
             times.append(time.perf_counter() - start)
-        seconds.append(float(np.median(times)))
-    return PassCost(counts, list(np.maximum.accumulate(seconds)))  # more rows never cost less
+        return float(np.median(times))
+
+    counts = sorted({min(2**i, max_rows) for i in range(max_rows.bit_length() + 1)})
+    seconds = list(np.maximum.accumulate([timed(rows, 0) for rows in counts]))  # more rows never cost less
+    per_key = max(0.0, (timed(counts[-1], context) - seconds[-1]) / (counts[-1] * context)) if context else 0.0
+    return PassCost(counts, seconds, per_key)
 
 
-def choose_budget(survival: list[np.ndarray], verify_cost: Callable[[int], float], draft_cost: float) -> list[int]:
+def choose_budget(survival: list[np.ndarray], verify_cost: Callable[[int, float], float], draft_cost: float,
+                  contexts: list[int] | None = None) -> list[int]:
     """Draft tokens to verify per request: the B most likely positions over all requests, B maximising
-    (requests + their summed survival) / (draft_cost + verify_cost(requests + B))."""
+    (requests + their summed survival) / (draft_cost + verify_cost(requests + B rows, the keys they
+    attend over)); request r's rows each attend over its `contexts[r]` cached positions."""
     requests = len(survival)
+    contexts = contexts or [0] * requests
     ranked = sorted(((float(s), r) for r, row in enumerate(survival) for s in row), reverse=True)
-    expected, best, best_budget = float(requests), requests / (draft_cost + verify_cost(requests)), 0
-    for budget, (score, _) in enumerate(ranked, start=1):
+    keys = float(sum(contexts))
+    expected, best, best_budget = float(requests), requests / (draft_cost + verify_cost(requests, keys)), 0
+    for budget, (score, r) in enumerate(ranked, start=1):
         expected += score
-        value = expected / (draft_cost + verify_cost(requests + budget))
+        keys += contexts[r]
+        value = expected / (draft_cost + verify_cost(requests + budget, keys))
         if value > best:
             best, best_budget = value, budget
     counts = [0] * requests
@@ -146,18 +161,22 @@ class AdaptiveVerifier:
     def record_draft_time(self, seconds: float) -> None:
         self.draft_seconds = seconds if self.draft_seconds == 0.0 else 0.8 * self.draft_seconds + 0.2 * seconds
 
-    def trim(self, drafts: list[Draft]) -> list[Draft]:
-        """Cut each draft to its share of the step's budget; pause drafting if no budget paid for it."""
+    def trim(self, drafts: list[Draft], contexts: list[int]) -> list[Draft]:
+        """Cut each draft (of a request with `contexts[i]` cached positions) to its share of the step's
+        budget; pause drafting if no budget paid for it."""
         if not any(d.tokens for d in drafts):
             return drafts
         survival = [np.cumprod(self.acceptance.probabilities(_confidence(d))) for d in drafts]
-        counts = choose_budget(survival, self.pass_cost, self.draft_seconds)
+        counts = choose_budget(survival, self.pass_cost, self.draft_seconds, contexts)
         if self._probing:  # outcomes keep the estimates honest even while they advise against drafting
             counts = [max(n, min(1, len(d.tokens))) for n, d in zip(counts, drafts, strict=True)]
             self._probing = False
         requests, expected = len(drafts), sum(float(s[:n].sum()) for s, n in zip(survival, counts, strict=True))
-        drafted_rate = (requests + expected) / (self.draft_seconds + self.pass_cost(requests + sum(counts)))
-        if drafted_rate < requests / self.pass_cost(requests):  # plain decoding would have been faster
+        keys = sum(contexts)
+        drafted_keys = keys + sum(n * c for n, c in zip(counts, contexts, strict=True))
+        drafted_cost = self.draft_seconds + self.pass_cost(requests + sum(counts), drafted_keys)
+        drafted_rate = (requests + expected) / drafted_cost
+        if drafted_rate < requests / self.pass_cost(requests, keys):  # plain decoding would have been faster
             self._backoff = min(max(2 * self._backoff, 1), self.max_pause)
             self._pause = self._backoff
         else:

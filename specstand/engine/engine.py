@@ -187,14 +187,17 @@ class Engine:
                 events.append(self._fail(request_id, state, error))
         if self._adaptive is not None and drafting and proposals:
             self._adaptive.record_draft_time(time.perf_counter() - started)
-            drafts = self._adaptive.trim([draft for _, _, draft in proposals])
+            contexts = [len(state.seq.token_ids) - 1 for _, state, _ in proposals]  # cached positions
+            drafts = self._adaptive.trim([draft for _, _, draft in proposals], contexts)
             proposals = [(r, state, draft) for (r, state, _), draft in zip(proposals, drafts, strict=True)]
         work = [_Work(r, state, [state.seq.token_ids[-1], *draft.tokens], draft) for r, state, draft in proposals]
         work += self._prompt_chunks()
         started = time.perf_counter()
         done = self._pass(work, events)
         if self._adaptive is not None and done and all(item.draft is not None for item in work):
-            self._adaptive.pass_cost.observe(sum(len(item.tokens) for item in work), time.perf_counter() - started)
+            keys = sum(len(item.tokens) * (len(item.state.seq.token_ids) - 1) for item in work)
+            self._adaptive.pass_cost.observe(sum(len(item.tokens) for item in work), time.perf_counter() - started,
+                                             keys)
         for item, output in done:
             try:
                 if item.draft is None:
@@ -295,12 +298,13 @@ class Engine:
         max_rows = max_rows or self.config.max_batch * self.width
         slot = self.runner.cache.allocate()
 
-        def run_pass(rows: int) -> None:
-            self.runner.cache.rollback(slot, 0)
+        def run_pass(rows: int, cached: int) -> None:  # what the cache holds does not change the time
+            self.runner.cache.rollback(slot, cached)
             self.runner.run([PassInput(slot, [0] * rows)], -(-rows // self.row_unit) * self.row_unit)
 
         try:
-            return profile_pass_cost(run_pass, min(max_rows, self.runner.capacity // 2))
+            max_rows = min(max_rows, self.runner.capacity // 2)
+            return profile_pass_cost(run_pass, max_rows, min(1024, self.runner.capacity // 2))
         finally:
             self.runner.cache.release(slot)
 

@@ -11,24 +11,44 @@ import torch
 from specstand.drafters import DRAFTERS, Draft, Drafter, SequenceView, make_drafter
 from specstand.engine import Engine, EngineConfig, Request
 from specstand.engine import engine as engine_module
-from specstand.engine.adaptive import AcceptanceModel, PassCost, choose_budget
+from specstand.engine.adaptive import AcceptanceModel, PassCost, choose_budget, profile_pass_cost
 from tests.conftest import FORWARDS, FixedCost, random_prompts, tiny_decoder
 
 
 def test_budget_takes_the_positions_that_pay_for_their_rows():
     survival = [np.array([0.9, 0.8]), np.array([0.1])]
-    assert choose_budget(survival, lambda rows: 1.0, 0.0) == [2, 1]  # rows are free: verify everything
-    assert choose_budget(survival, lambda rows: float(rows), 0.0) == [0, 0]  # a row costs a whole pass
+    assert choose_budget(survival, lambda rows, keys: 1.0, 0.0) == [2, 1]  # rows are free: verify everything
+    assert choose_budget(survival, lambda rows, keys: float(rows), 0.0) == [0, 0]  # a row costs a whole pass
     # 1 + 0.1 r: B=0 2/1.2, B=1 2.9/1.3, B=2 3.7/1.4 (best), B=3 3.8/1.5
-    assert choose_budget(survival, lambda rows: 1.0 + 0.1 * rows, 0.0) == [2, 0]
+    assert choose_budget(survival, lambda rows, keys: 1.0 + 0.1 * rows, 0.0) == [2, 0]
+
+
+def test_a_long_context_makes_a_draft_row_cost_more():
+    # cost 1 + 0.002 per row-key: with 1000 cached positions B=0 gives 1 / 3, B=1 1.5 / 5 (worse);
+    # with 10, B=0 1 / 1.02, B=1 1.5 / 1.04 (better)
+    def cost(rows, keys):
+        return 1.0 + 0.002 * keys
+
+    assert choose_budget([np.array([0.5])], cost, 0.0, [1000]) == [0]
+    assert choose_budget([np.array([0.5])], cost, 0.0, [10]) == [1]
 
 
 def test_pass_cost_interpolates_between_profiled_rows_and_follows_measured_passes():
-    cost = PassCost([1, 2, 4, 8], [1.0, 1.0, 1.2, 2.0])
+    cost = PassCost([1, 2, 4, 8], [1.0, 1.0, 1.2, 2.0], per_key=0.001)
     assert cost(3) == pytest.approx(1.1) and cost(6) == pytest.approx(1.6) and cost(16) == 2.0
+    assert cost(6, keys=600) == pytest.approx(2.2)
     for _ in range(100):  # the machine got twice as slow as when it was profiled
         cost.observe(8, 4.0)
     assert cost(1) == pytest.approx(2.0, rel=1e-3) and cost(6) == pytest.approx(3.2, rel=1e-3)
+
+
+def test_profile_measures_rows_and_the_attention_term():
+    def run_pass(rows, cached):  # a pass whose cost is known: 1 ms + 0.1 ms a row + 10 us a row-key
+        time.sleep(0.001 + 0.0001 * rows + 0.00001 * rows * cached)
+
+    cost = profile_pass_cost(run_pass, 8, 1000, repeats=3)
+    assert cost.rows == [1, 2, 4, 8]
+    assert cost.per_key == pytest.approx(1e-5, rel=0.2)  # 80 ms of attention against sleeps' jitter
 
 
 def test_acceptance_model_learns_what_the_confidence_signal_means():
@@ -70,7 +90,7 @@ def test_a_drafter_that_cannot_pay_is_mostly_not_asked():
 @pytest.mark.parametrize("forward", FORWARDS)
 def test_every_drafter_with_adaptive_verification_is_token_identical(forward, monkeypatch):
     # rows priced as on a CPU with matrix units (nearly free): drafts are kept, so verification is exercised
-    monkeypatch.setattr(engine_module, "profile_pass_cost", lambda run_pass, max_rows: FixedCost([1, 64], [1.0, 1.1]))
+    monkeypatch.setattr(engine_module, "profile_pass_cost", lambda *profile_args: FixedCost([1, 64], [1.0, 1.1]))
     dtype = torch.float32 if forward == "python" else torch.bfloat16
     model = tiny_decoder("qwen2", dtype, forward=forward)
     prompts = random_prompts(6, 40, seed=3)

@@ -70,7 +70,7 @@ def exact_joint(model, prompt: list[int], params: SamplingParams) -> dict[tuple[
 def test_engine_samples_the_targets_joint_law(drafted, forward, adaptive, monkeypatch):
     # passes priced flat (rows free): adaptive verification keeps every draft position that may be
     # accepted, whatever the machine's timings, so the run is deterministic
-    monkeypatch.setattr(engine_module, "profile_pass_cost", lambda run_pass, max_rows: FixedCost([1], [1.0]))
+    monkeypatch.setattr(engine_module, "profile_pass_cost", lambda *profile_args: FixedCost([1], [1.0]))
     model = tiny_decoder("llama", torch.bfloat16 if forward != "python" else torch.float32, forward=forward)
     prompt = random_prompts(1, 20, seed=8)[0]
     params = SamplingParams(**PARAMS)

@@ -175,6 +175,20 @@ class Engine:
         events = self._admit()
         if not self.runner.compiled_prompts:
             events += self._prefill_whole_prompts()
+        work = self._drafted_work(events) + self._prompt_chunks()
+        for item, output in self._timed_pass(work, events):
+            try:
+                if item.draft is None:
+                    events += self._prompt_progress(item.request_id, item.state, output)
+                else:
+                    events.append(self._verified(item.request_id, item.state, item.draft, output))
+            except Exception as error:  # noqa: BLE001
+                events.append(self._fail(item.request_id, item.state, error))
+        return events
+
+    def _drafted_work(self, events: list[StepEvent]) -> list[_Work]:
+        """Every decoding request's rows for this pass: its pending token and its draft (cut to its share
+        of the budget under adaptive verification)."""
         proposals = []
         drafting = self._adaptive is None or self._adaptive.should_draft()
         started = time.perf_counter()
@@ -190,23 +204,17 @@ class Engine:
             contexts = [len(state.seq.token_ids) - 1 for _, state, _ in proposals]  # cached positions
             drafts = self._adaptive.trim([draft for _, _, draft in proposals], contexts)
             proposals = [(r, state, draft) for (r, state, _), draft in zip(proposals, drafts, strict=True)]
-        work = [_Work(r, state, [state.seq.token_ids[-1], *draft.tokens], draft) for r, state, draft in proposals]
-        work += self._prompt_chunks()
+        return [_Work(r, state, [state.seq.token_ids[-1], *draft.tokens], draft) for r, state, draft in proposals]
+
+    def _timed_pass(self, work: list[_Work], events: list[StepEvent]) -> list[tuple[_Work, PassOutput]]:
+        """The shared pass; a pass of decode rows only also tells adaptive verification what it cost."""
         started = time.perf_counter()
         done = self._pass(work, events)
         if self._adaptive is not None and done and all(item.draft is not None for item in work):
+            rows = sum(len(item.tokens) for item in work)
             keys = sum(len(item.tokens) * (len(item.state.seq.token_ids) - 1) for item in work)
-            self._adaptive.pass_cost.observe(sum(len(item.tokens) for item in work), time.perf_counter() - started,
-                                             keys)
-        for item, output in done:
-            try:
-                if item.draft is None:
-                    events += self._prompt_progress(item.request_id, item.state, output)
-                else:
-                    events.append(self._verified(item.request_id, item.state, item.draft, output))
-            except Exception as error:  # noqa: BLE001
-                events.append(self._fail(item.request_id, item.state, error))
-        return events
+            self._adaptive.pass_cost.observe(rows, time.perf_counter() - started, keys)
+        return done
 
     def _verified(self, request_id: int, state: _Running, draft: Draft, output: PassOutput) -> StepEvent:
         verdict = self._verify(state, draft, output.logits)

@@ -213,7 +213,22 @@ def write_plots(summary: dict, targets: list[str], users: list[int], out_dir: Pa
     if ax.lines:
         ax.legend()
     paths.append(_save(fig, out_dir / "acceptance_per_position.png"))
+    paths.append(_latency_plot(plt, summary, targets, users, out_dir))
+    return paths
+
+
+def _latency_plot(plt, summary: dict, targets: list[str], users: list[int], out_dir: Path) -> Path:
+    """Turn p50 by method: lines over the user counts, or bars (median, min-max whiskers) for a single one."""
     fig, ax = plt.subplots(figsize=(6, 4))
+    if len(users) == 1:
+        spreads = [(t, _spread(_values(summary.get(t, {}).get(users[0], []), "turn_p50_s"))) for t in targets]
+        spreads = [(t, s) for t, s in spreads if s is not None]
+        ax.bar([t for t, _ in spreads], [s[0] for _, s in spreads],
+               yerr=[[s[0] - s[1] for _, s in spreads], [s[2] - s[0] for _, s in spreads]], capsize=4)
+        ax.set_ylabel("turn p50 (s)")
+        ax.set_title(f"Turn latency, {users[0]} user{'s' if users[0] > 1 else ''}")
+        ax.tick_params(axis="x", labelrotation=30)
+        return _save(fig, out_dir / "turn_p50.png")
     for t in targets:
         medians = {u: _values(summary.get(t, {}).get(u, []), "turn_p50_s") for u in users}
         points = [(u, statistics.median(v)) for u, v in medians.items() if v]
@@ -224,8 +239,7 @@ def write_plots(summary: dict, targets: list[str], users: list[int], out_dir: Pa
     ax.set_title("Turn latency under load")
     if ax.lines:
         ax.legend()
-    paths.append(_save(fig, out_dir / "turn_p50_vs_users.png"))
-    return paths
+    return _save(fig, out_dir / "turn_p50_vs_users.png")
 
 
 def _save(fig, path: Path) -> Path:

@@ -64,7 +64,12 @@ def test_table_marks_differences_inside_the_spread(tmp_path):
     assert raw["complete"] and len(raw["runs"]) == 6
     assert RunResult.from_dict(raw["runs"][2]).turns[0].calls[0].text == '{"a": 1}'
     assert (tmp_path / "acceptance_per_position.png").stat().st_size > 0
-    assert (tmp_path / "turn_p50_vs_users.png").stat().st_size > 0
+    # one user count: bars per method, not a line over one point
+    assert (tmp_path / "turn_p50.png").stat().st_size > 0 and not (tmp_path / "turn_p50_vs_users.png").exists()
+    two = [*runs, _run("none", 4, 0, 2.0, ['{"a": 1}', "oops"]), _run("fast", 4, 0, 1.0, ['{"a": 1}', "oops"])]
+    write_report(tmp_path / "two", {"workload": "w", "repeats": 1}, two, workload, ["none", "fast"], [1, 4], "none",
+                 {}, complete=True)
+    assert (tmp_path / "two" / "turn_p50_vs_users.png").stat().st_size > 0
 
 
 def test_predicted_speedup_from_acceptance_and_profiled_costs():

@@ -41,7 +41,7 @@ class AcceptanceModel:
         if self._weights is None:
             return np.full(len(confidence), self.prior)
         x = self._design(np.asarray(confidence, dtype=np.float64), np.arange(len(confidence), dtype=np.float64))
-        return 1.0 / (1.0 + np.exp(-(x @ self._weights)))
+        return _sigmoid(x @ self._weights)
 
     def observe(self, confidence: list[float], drafted: int, accepted: int) -> None:
         """A verified draft of `drafted` tokens had its first `accepted` accepted: positions up to the first
@@ -66,7 +66,7 @@ class AcceptanceModel:
         x = self._design(data[:, 0], data[:, 1])
         w = np.zeros(3) if self._weights is None else self._weights.copy()
         for _ in range(8):  # Newton's method on the L2-regularised log loss
-            p = 1.0 / (1.0 + np.exp(-(x @ w)))
+            p = _sigmoid(x @ w)
             gradient = x.T @ (p - labels) + self.l2 * w
             hessian = (x * (p * (1 - p))[:, None]).T @ x + self.l2 * np.eye(3)
             w -= np.linalg.solve(hessian, gradient)
@@ -186,6 +186,10 @@ class AdaptiveVerifier:
     def observe(self, draft: Draft, accepted: int) -> None:
         if draft.tokens:
             self.acceptance.observe(_confidence(draft), len(draft.tokens), accepted)
+
+
+def _sigmoid(z: np.ndarray) -> np.ndarray:
+    return np.exp(-np.logaddexp(0.0, -z))  # never overflows, however large a logit margin gets
 
 
 def _confidence(draft: Draft) -> list[float]:

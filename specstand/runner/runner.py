@@ -60,12 +60,14 @@ class TargetRunner:
         `prefill` pass returns the logits of each request's last real row only. With the compiled forward a
         decode/verify pass computes the real rows only: its rows do not depend on each other's count."""
         starts = [self.cache.lengths[item.slot] for item in inputs]
+        compiled = self.compiled is not None and not prefill
         for item, start in zip(inputs, starts, strict=True):
             if not 0 < len(item.tokens) <= width:
                 raise ValueError(f"a pass needs 1..{width} tokens per request, got {len(item.tokens)}")
-            if start + width > self.cache.capacity:  # padding rows may use the bucket's tail
+            # the Python forward writes padding rows too (into the bucket's tail); compiled rows are real
+            if start + (len(item.tokens) if compiled else width) > self.cache.capacity:
                 raise ValueError(f"slot {item.slot} would exceed the cache capacity {self.capacity}")
-        if self.compiled is not None and not prefill:
+        if compiled:
             return self._run_compiled(inputs, starts, tap_layers)
         if any(item.logits != "all" for item in inputs):
             raise ValueError("prompt chunks share a pass only where prompts run compiled")

@@ -122,3 +122,17 @@ def test_the_python_forward_can_be_forced_and_fp32_keeps_it(monkeypatch):
     assert attach_compiled(model) is not None and TargetRunner(model, 1, 128).compiled is model.compiled
     fp32 = DecoderModel(tiny_hf_model("llama", torch.float32), 512)
     assert attach_compiled(fp32, log=logged.append) is None and logged == []  # fp32 runs the Python forward
+
+
+@pytest.mark.parametrize("path", KERNEL_PATHS)
+def test_a_request_near_the_end_of_its_cache_shares_a_pass_with_a_long_prompt_chunk(path):
+    """Compiled passes compute real rows only (no padding to the widest request), so only a request's own
+    rows count against its capacity: a decode row a few positions from the end rides beside a 100-row chunk."""
+    model = tiny_decoder("llama", torch.bfloat16, forward=path)
+    runner = TargetRunner(model, num_slots=2, capacity=256)
+    near_end, fresh = runner.cache.allocate(), runner.cache.allocate()
+    runner.run([PassInput(near_end, random_prompts(1, 250, seed=5)[0])], 250)
+    outputs = runner.run([PassInput(near_end, [3, 4]), PassInput(fresh, random_prompts(1, 100, seed=6)[0], "last")],
+                         100)
+    assert [len(o.logits) for o in outputs] == [2, 1]
+    assert runner.cache.lengths[near_end] == 252 and runner.cache.lengths[fresh] == 100

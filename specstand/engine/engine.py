@@ -334,10 +334,11 @@ class Engine:
         events, deferred = [], []
         while self._waiting and self.runner.cache.free_slots:
             request_id, request = self._waiting.popleft()
-            if self._head_in_progress(request.prompt_ids):
+            donor, common = self._longest_cached_head(request.prompt_ids)
+            if self._head_in_progress(request.prompt_ids, common):
                 deferred.append((request_id, request))
                 continue
-            slot, reused, head_taps = self._reusable_slot(request.prompt_ids)
+            slot, reused, head_taps = self._reusable_slot(request.prompt_ids, donor, common)
             seed = request.sampling.seed if request.sampling.seed is not None else random.getrandbits(63)
             state = _Running(
                 request=request,
@@ -357,21 +358,9 @@ class Engine:
         self._waiting.extendleft(reversed(deferred))
         return events
 
-    def _head_in_progress(self, prompt: list[int]) -> bool:
-        """Whether a prompt being computed shares at least a prefill block more of `prompt`'s head than
-        any cache holds now: waiting a pass or two for it saves computing that head twice."""
-        if not self.config.prefix_reuse:
-            return False
-        cached = max((_common_prefix(held, prompt) for held in self._cached.values()), default=0)
-        coming = max((_common_prefix(state.seq.token_ids[: state.seq.prompt_len], prompt)
-                      for state in self._running.values() if not state.decoding), default=0)
-        return min(coming, len(prompt) - 1) - cached >= PREFILL_BLOCK
-
-    def _reusable_slot(self, prompt: list[int]) -> tuple[int, int, dict[int, torch.Tensor]]:
-        """Pick a free slot for `prompt` and fill it with the longest cached head of any slot (a free slot's
-        cached tokens, or a running slot's prompt: positions below it only ever hold its prefill K/V).
-        Returns the slot, how many positions it holds (never the last prompt token: its logits are needed;
-        whole prefill blocks where those are the unit of exactness) and their tapped hidden states."""
+    def _longest_cached_head(self, prompt: list[int]) -> tuple[int | None, int]:
+        """The slot whose cached tokens share the longest head with `prompt` (a free one among equals) and
+        how long that head is: (None, 0) without prefix reuse. A running slot caches its prompt (so far)."""
         free = self.runner.cache.free_slot_ids
         donor, common = None, 0
         if self.config.prefix_reuse:
@@ -379,6 +368,25 @@ class Engine:
                 n = _common_prefix(cached, prompt)
                 if n > common or (n == common and n and slot in free):
                     donor, common = slot, n
+        return donor, common
+
+    def _head_in_progress(self, prompt: list[int], cached: int) -> bool:
+        """Whether a prompt being computed shares at least a prefill block more of `prompt`'s head than
+        the `cached` positions any cache holds now: waiting a pass or two for it saves computing that head
+        twice."""
+        if not self.config.prefix_reuse:
+            return False
+        coming = max((_common_prefix(state.seq.token_ids[: state.seq.prompt_len], prompt)
+                      for state in self._running.values() if not state.decoding), default=0)
+        return min(coming, len(prompt) - 1) - cached >= PREFILL_BLOCK
+
+    def _reusable_slot(self, prompt: list[int], donor: int | None,
+                       common: int) -> tuple[int, int, dict[int, torch.Tensor]]:
+        """Pick a free slot for `prompt` and fill it with the head of `common` tokens that slot `donor`
+        caches (see _longest_cached_head). Returns the slot, how many positions it holds (never the last
+        prompt token: its logits are needed; whole prefill blocks where those are the unit of exactness)
+        and their tapped hidden states."""
+        free = self.runner.cache.free_slot_ids
         reuse = min(common, len(prompt) - 1) // self._reuse_unit * self._reuse_unit
         others = [slot for slot in free if slot != donor]
         # take the donor itself where that loses nothing it cached, or no other slot is free

@@ -123,7 +123,8 @@ def _training_parsers(commands) -> None:
 
     train = commands.add_parser("train", help="online distillation of a drafter from the frozen target")
     train.add_argument("--method", required=True,
-                       help="eagle3, dflash or mtp; several (a,b) share one pass of the target over the data")
+                       help="eagle3, mtp, dflash, dspark or dflash2; several (a,b) share one pass of the target "
+                            "over the data")
     train.add_argument("--model", default="smollm2-135m")
     train.add_argument("--data", type=Path, required=True, help="a `train-data` folder")
     train.add_argument("--out", type=Path, required=True,
@@ -132,8 +133,13 @@ def _training_parsers(commands) -> None:
     for name, kind, default in [("steps", int, 500), ("lr", float, 1e-3), ("pack-tokens", int, 2048),
                                 ("save-every", int, 50), ("seed", int, 0), ("layers", int, 0),
                                 ("intermediate-size", int, 0), ("draft-vocab", int, 8192), ("num-taps", int, 5),
-                                ("block-size", int, 8), ("anchors", int, 64), ("train-steps", int, 3)]:
+                                ("block-size", int, 8), ("anchors", int, 64), ("train-steps", int, 3),
+                                ("markov-rank", int, 256), ("conv-kernel-size", int, 2), ("selector-rank", int, 256),
+                                ("selector-top-k", int, 16), ("selector-alpha", float, 1.0)]:
         train.add_argument(f"--{name}", type=kind, default=default)
+    train.add_argument("--position-weighting", choices=["dpace", "exp"], default="",
+                       help="block methods' loss weight per draft position (default: dspark exp(-k/4), others D-PACE)")
+    train.add_argument("--no-confidence-head", action="store_true", help="dspark without its confidence head")
 
     evaluate = commands.add_parser("eval-drafter", help="acceptance, tau and predicted speedup on held-out calls")
     evaluate.add_argument("--model", default="smollm2-135m")
@@ -263,7 +269,7 @@ def cmd_generate(args: argparse.Namespace) -> None:
 
 # vLLM's speculative methods -> ours
 VLLM_METHODS = {"ngram": "ngram", "suffix": "suffix", "eagle3": "eagle3", "dflash": "dflash", "mtp": "mtp",
-                "deepseek_mtp": "mtp"}
+                "deepseek_mtp": "mtp", "dspark": "dspark", "dflash2": "dflash2"}
 
 
 def _apply_speculative_config(args: argparse.Namespace) -> None:
@@ -513,6 +519,9 @@ def cmd_train(args: argparse.Namespace) -> None:
         steps=args.steps, lr=args.lr, pack_tokens=args.pack_tokens, save_every=args.save_every, seed=args.seed,
         num_layers=args.layers, intermediate_size=args.intermediate_size, draft_vocab_size=args.draft_vocab,
         num_taps=args.num_taps, block_size=args.block_size, anchors=args.anchors, train_steps=args.train_steps,
+        position_weighting=args.position_weighting, markov_rank=args.markov_rank,
+        confidence_head=not args.no_confidence_head, conv_kernel_size=args.conv_kernel_size,
+        selector_rank=args.selector_rank, selector_top_k=args.selector_top_k, selector_alpha=args.selector_alpha,
     ) for method in methods]
     model = load_model(args.model, args.dtype, configs[0].max_len, log=_log)
     taps = [t for c in configs for t in tap_layers_for(c, model.decoder.shape.num_layers)]
@@ -529,7 +538,7 @@ def cmd_eval_drafter(args: argparse.Namespace) -> None:
     from specstand.training.evaluate import as_dicts, evaluate_drafter, write_card
 
     spec = read_spec(args.drafter)
-    most = spec.block_size - 1 if spec.method == "dflash" else 5
+    most = spec.block_drafts or 5
     try:
         ks = sorted({int(k) for k in args.k.split(",")}) if args.k else sorted({1, 2, 4, most})
     except ValueError:

@@ -23,6 +23,7 @@ from specstand.models import load_model
 from specstand.runner.compiled import attach_compiled
 from specstand.runner.transformer import DecoderModel
 from specstand.training.data import generate_rows, save_rows
+from specstand.training.trainer import TrainConfig, train
 from specstand.verification import SamplingParams
 from specstand.workloads import Call, Turn
 
@@ -128,3 +129,28 @@ def tiny_data(tiny_target, tmp_path_factory: pytest.TempPathFactory) -> Path:
     rows = generate_rows(tiny_target, tiny_turns(), 0.2, SamplingParams(), 4, 512)
     save_rows(folder, rows, {"model": "tiny"})
     return folder
+
+
+# steps of the long training run of each method on the tiny target's answers
+TRAINED_STEPS = {"dflash": 300, "dspark": 300, "dflash2": 300, "eagle3": 300, "mtp": 300}
+
+
+class TrainedDrafters:
+    """Drafters trained on the tiny target's own answers, each on first use: trained[method, steps]."""
+
+    def __init__(self, target, data: Path, root: Path) -> None:
+        self.target, self.data, self.root, self.folders = target, data, root, {}
+
+    def __getitem__(self, key: tuple[str, int]) -> Path:
+        if key not in self.folders:
+            method, steps = key
+            out = self.root / f"{method}-{steps}"
+            train(TrainConfig(method, str(self.data), str(out), steps=steps, pack_tokens=256, save_every=100,
+                              lr=3e-3, draft_vocab_size=64), self.target, log=lambda _: None)
+            self.folders[key] = out
+        return self.folders[key]
+
+
+@pytest.fixture(scope="session")
+def trained(tiny_target, tiny_data, tmp_path_factory) -> TrainedDrafters:
+    return TrainedDrafters(tiny_target, tiny_data, tmp_path_factory.mktemp("trained"))

@@ -18,7 +18,7 @@ from tqdm import tqdm
 from specstand.bench.endpoints import OpenAIEndpoint
 from specstand.bench.replay import assign_turns, replay
 from specstand.bench.report import RunResult, write_report
-from specstand.drafters.trained import read_spec, shipped_drafter
+from specstand.drafters.trained import BLOCK_METHODS, read_spec, shipped_drafter
 from specstand.models.loading import resolve_model_path
 from specstand.workloads import Turn
 
@@ -102,8 +102,8 @@ def workload_context(turns: list[Turn], model: str, k: int) -> int:
 
 def _default_k(method: str, model: str, drafter: Path | None) -> int:
     folder = drafter or shipped_drafter(model, method)
-    if method == "dflash" and folder is not None:
-        return read_spec(folder).block_size - 1
+    if folder is not None and method in BLOCK_METHODS:
+        return read_spec(folder).block_drafts
     return 5
 
 

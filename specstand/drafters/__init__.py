@@ -1,7 +1,8 @@
 """Drafters, one file per method, all behind `Drafter` (base.py).
 
 Training-free: ngram.py, suffix.py. Trained (their weights come from `specstand train`): eagle3.py and
-mtp.py (both token-by-token, core in chain.py), dflash.py (one pass per block); trained.py loads them.
+mtp.py (both token-by-token, core in chain.py), dflash.py (one pass per block) and its variants dspark.py
+(Markov + confidence heads) and dflash2.py (convolutions + candidate selector); trained.py loads them.
 """
 
 from __future__ import annotations
@@ -48,11 +49,10 @@ def make_drafter(method: str, target: DecoderModel | None = None, target_name: s
 
 
 def default_k(drafter: Drafter | None, k: int | None) -> int:
-    """K when the user gives none: a DFlash block's drafts (block size - 1), else 5."""
+    """K when the user gives none: a block drafter's drafts per block, else 5."""
     if k is not None:
         return k
-    block = getattr(getattr(drafter, "model", None), "spec", None)
-    return block.block_size - 1 if block is not None and block.method == "dflash" else 5
+    return getattr(getattr(drafter, "model", None), "num_drafts", 5)
 
 
 __all__ = ["DRAFTERS", "METHODS", "Draft", "Drafter", "DrafterLoadError", "HiddenRows", "NgramConfig",

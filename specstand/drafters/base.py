@@ -21,6 +21,7 @@ class SequenceView:
     request_id: int
     token_ids: list[int]  # prompt + every emitted token (the last one not yet in the target cache)
     prompt_len: int
+    temperature: float = 0.0  # the request's sampling temperature (0: greedy), for drafters that sample
 
     @property
     def output_ids(self) -> list[int]:
@@ -52,13 +53,14 @@ class Draft:
     # the drafter's own per-token confidence signal, any scale (higher: likelier accepted); adaptive
     # verification learns how it maps to acceptance
     confidence: list[float] | None = None
+    calibrated: bool = False  # confidence is a logit of the acceptance probability (DSpark's confidence head)
 
     def cut(self, n: int) -> Draft:
         """The first n tokens (all of them if there are fewer)."""
         if n >= len(self.tokens):
             return self
         return Draft(self.tokens[:n], None if self.probs is None else self.probs[:n],
-                     None if self.confidence is None else self.confidence[:n])
+                     None if self.confidence is None else self.confidence[:n], self.calibrated)
 
 
 class Drafter(ABC):

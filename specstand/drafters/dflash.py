@@ -7,7 +7,11 @@ k_proj/v_proj of the context followed by those of the block. The block is [last 
 pass. Embedding and LM head rows are the target's (frozen, not saved); the head covers a draft vocabulary.
 
 Position convention (shared with training): context row j is the target's hidden state at position j;
-block row 0 is the token at position n-1 (not yet seen by the target), row i predicts position n-1+i.
+block row 0 is the token at position n-1 (not yet seen by the target), row i predicts position n-1+i (or
+n+i with `sample_from_anchor`, DSpark's layout, where the anchor row makes the first draft).
+
+DSpark (dspark.py) and DFlash 2 (dflash2.py) are this model with other heads: they override `draft`
+(how tokens are picked from the draft rows' hidden states) and, DFlash 2, `layer_forward`.
 """
 
 from __future__ import annotations
@@ -39,26 +43,40 @@ class DFlashModel(nn.Module):
     def context_keys_values(self, context: torch.Tensor, positions: torch.Tensor) -> list[tuple]:
         return [layer.self_attn.keys_values(context, positions) for layer in self.layers]
 
-    def block_logits(
+    @property
+    def first_draft_row(self) -> int:
+        """The block row whose output is the first draft: 0 when the anchor row predicts (DSpark's
+        sample_from_anchor), else 1 (DFlash: row 0 only carries the anchor token)."""
+        return 0 if self.spec.sample_from_anchor else 1
+
+    @property
+    def num_drafts(self) -> int:
+        return self.spec.block_drafts
+
+    def layer_forward(self, layer: nn.Module, hidden: torch.Tensor, positions: torch.Tensor,
+                      bias: torch.Tensor | None, kv: tuple) -> torch.Tensor:
+        attn, _ = layer.self_attn(layer.input_layernorm(hidden), positions, bias, kv)
+        return layer.mlp_block(hidden + attn)
+
+    def block_hidden(
         self, block_tokens: torch.Tensor, positions: torch.Tensor, past: list[tuple], bias: torch.Tensor | None
     ) -> torch.Tensor:
-        """Draft-vocabulary logits [rows, draft vocab] of block rows (tokens [rows]) over per-layer
-        context keys/values `past`. `bias` [rows, context + rows]: None = everything visible."""
+        """Final normed hidden states [rows, H] of block rows (tokens [rows], whole blocks of block_size
+        rows one after another) over per-layer context keys/values `past`. `bias` [rows, context + rows]:
+        None = everything visible."""
         hidden = self.target.embed(block_tokens)
         for layer, kv in zip(self.layers, past, strict=True):
-            attn, _ = layer.self_attn(layer.input_layernorm(hidden), positions, bias, kv)
-            hidden = layer.mlp_block(hidden + attn)
-        return self.target.head(self.norm(hidden))
+            hidden = self.layer_forward(layer, hidden, positions, bias, kv)
+        return self.norm(hidden)
 
-    def training_logits(self, taps: torch.Tensor, tokens: torch.Tensor, positions: torch.Tensor,
+    def training_hidden(self, taps: torch.Tensor, tokens: torch.Tensor, positions: torch.Tensor,
                         docs: torch.Tensor, anchors: torch.Tensor) -> torch.Tensor:
-        """Logits [anchors, B, draft vocab] of blocks starting at `anchors` (indices into the packed row),
-        all in one pass: each block sees the context strictly before its anchor (same document) and its
-        own rows, never another block."""
+        """Hidden states [anchors, drafts, H] of the draft rows of blocks starting at `anchors` (indices
+        into the packed row), all in one pass: each block sees the context strictly before its anchor (same
+        document) and its own rows, never another block."""
         b = self.spec.block_size
         offsets = torch.arange(b)
-        block_index = (anchors[:, None] + offsets[None]).clamp_max(len(tokens) - 1)  # [A, B]
-        block_tokens = torch.full_like(block_index, self.spec.mask_token_id)
+        block_tokens = torch.full((len(anchors), b), self.spec.mask_token_id)
         block_tokens[:, 0] = tokens[anchors]
         block_positions = positions[anchors][:, None] + offsets[None]
         block_docs = docs[anchors][:, None].expand(-1, b)
@@ -72,24 +90,36 @@ class DFlashModel(nn.Module):
             document_bias(block_docs.reshape(-1), docs, sees_context),
             torch.zeros(rows, rows).masked_fill(~sees_block, float("-inf")),
         ], dim=1)
-        logits = self.block_logits(block_tokens.reshape(-1), block_positions.reshape(-1), past, bias)
-        return logits.view(len(anchors), b, -1)
+        hidden = self.block_hidden(block_tokens.reshape(-1), block_positions.reshape(-1), past, bias)
+        return hidden.view(len(anchors), b, -1)[:, self.first_draft_row :]
+
+    @torch.no_grad()
+    def draft(self, hidden: torch.Tensor, anchor: int, temperature: float, generator: torch.Generator) -> Draft:
+        """Draft tokens from the draft rows' hidden states [n, H]: each position's argmax (one-hot q even
+        when sampling: lossless all the same), with the top-1 minus top-2 logit margin as confidence."""
+        logits = self.target.head(hidden)
+        top2 = logits.topk(2, dim=-1).values
+        return Draft(self.d2t[logits.argmax(-1)].tolist(), confidence=(top2[:, 0] - top2[:, 1]).tolist())
 
 
 class DFlashDrafter(Drafter):
     name = "dflash"
 
     def __init__(self, model: DFlashModel) -> None:
+        self.name = model.spec.method  # dflash, dspark or dflash2
         self.model = model.eval()
         self.tap_layers = tuple(model.spec.tap_layers)
         self._context: dict[int, list[tuple]] = {}  # request -> per-layer context keys/values
         # request -> hidden rows not yet turned into context keys/values: that work waits for the next
         # proposal, so steps without one (adaptive verification pausing drafts) cost a list append
         self._pending: dict[int, list[HiddenRows]] = {}
+        self._generators: dict[int, torch.Generator] = {}
 
     def begin(self, seq: SequenceView) -> None:
         self._context[seq.request_id] = []
         self._pending[seq.request_id] = []
+        # drafts sampled by DSpark and DFlash 2: a stream of their own per request (any draw is lossless)
+        self._generators[seq.request_id] = torch.Generator().manual_seed(seq.request_id)
 
     def extend(self, seq: SequenceView, new_tokens: list[int], hidden: HiddenRows | None = None) -> None:
         if hidden is not None and hidden.rows:
@@ -121,12 +151,12 @@ class DFlashDrafter(Drafter):
         tokens = torch.full((b,), self.model.spec.mask_token_id)
         tokens[0] = seq.token_ids[-1]
         positions = len(seq.token_ids) - 1 + torch.arange(b)
-        logits = self.model.block_logits(tokens, positions, past, None)[1 : max_tokens + 1]
-        top2 = logits.topk(2, dim=-1).values
-        margins = (top2[:, 0] - top2[:, 1]).tolist()  # confidence for adaptive verification
-        return Draft(self.model.d2t[logits.argmax(-1)].tolist(), confidence=margins)
+        first = self.model.first_draft_row
+        hidden = self.model.block_hidden(tokens, positions, past, None)[first : first + max_tokens]
+        return self.model.draft(hidden, seq.token_ids[-1], seq.temperature, self._generators[seq.request_id])
 
     def end(self, seq: SequenceView) -> None:
         self._context.pop(seq.request_id, None)
         self._pending.pop(seq.request_id, None)
+        self._generators.pop(seq.request_id, None)
 

@@ -20,7 +20,7 @@ from torch import nn
 class DrafterSpec:
     """Everything needed to rebuild a trained drafter around its target (saved with the weights)."""
 
-    method: str  # eagle3 | dflash | mtp
+    method: str  # eagle3 | mtp | dflash | dspark | dflash2
     target: str  # the verifier: preset name or path
     target_architecture: str
     target_vocab_size: int
@@ -34,11 +34,26 @@ class DrafterSpec:
     rope_theta: float
     tap_layers: list[int]  # target hidden states read (HF numbering: 0 = embeddings, L = final normed)
     draft_vocab_size: int
-    block_size: int = 0  # dflash: block = last token + (block_size - 1) masks
-    mask_token_id: int = 0  # dflash: the token id whose embedding marks a position to predict
+    block_size: int = 0  # block methods: block = last token + (block_size - 1) masks
+    mask_token_id: int = 0  # block methods: the token id whose embedding marks a position to predict
+    # block methods: True = block row k predicts position p+k+1 (the anchor row is the first draft; DSpark's
+    # convention, block_size drafts), False = row k predicts p+k (row 0 only carries the anchor; DFlash's)
+    sample_from_anchor: bool = False
+    markov_rank: int = 0  # dspark: rank of the Markov head's logit bias
+    enable_confidence_head: bool = False  # dspark: a head predicting each position's acceptance
+    confidence_head_with_markov: bool = True  # dspark: the confidence head also reads the Markov embedding
+    conv_kernel_size: int = 0  # dflash2: taps of the grouped dynamic causal convolutions
+    conv_group_size: int = 16  # dflash2: channels sharing one dynamic delta
+    selector_rank: int = 0  # dflash2: rank of the candidate selector's edge scores
+    selector_top_k: int = 16  # dflash2: candidates per position
     train_steps: int = 3  # eagle3/mtp: unrolled steps of the training-time test
     qk_norm: bool = False  # RMSNorm of q and k per head (Qwen3-style layers, e.g. z-lab's DFlash drafters)
     trained: dict = field(default_factory=dict)  # data, steps, time, held-out figures (the model card)
+
+    @property
+    def block_drafts(self) -> int:
+        """Drafts one drafter pass makes (block methods; 0 for the others)."""
+        return self.block_size - (0 if self.sample_from_anchor else 1) if self.block_size else 0
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), indent=1)

@@ -19,6 +19,8 @@ from torch import nn
 from specstand.drafters.base import Drafter
 from specstand.drafters.chain import ChainModel
 from specstand.drafters.dflash import DFlashDrafter, DFlashModel
+from specstand.drafters.dflash2 import DFlash2Model
+from specstand.drafters.dspark import DSparkModel
 from specstand.drafters.eagle3 import build_eagle3, eagle3_drafter, eagle3_tap_layers
 from specstand.drafters.mtp import build_mtp, mtp_drafter, mtp_tap_layers
 from specstand.drafters.nn import DrafterSpec
@@ -40,7 +42,10 @@ TRAINED: dict[str, tuple[Callable[[int], list[int]], Callable, Callable[[nn.Modu
     "eagle3": (eagle3_tap_layers, build_eagle3, eagle3_drafter),
     "mtp": (mtp_tap_layers, build_mtp, mtp_drafter),
     "dflash": (dflash_tap_layers, DFlashModel, DFlashDrafter),
+    "dspark": (dflash_tap_layers, DSparkModel, DFlashDrafter),
+    "dflash2": (dflash_tap_layers, DFlash2Model, DFlashDrafter),
 }
+BLOCK_METHODS = ("dflash", "dspark", "dflash2")  # one drafter pass per block of drafts
 
 
 class DrafterLoadError(ValueError):

@@ -26,7 +26,9 @@ from specstand.drafters import Draft
 class AcceptanceModel:
     """P(draft position i is accepted | every earlier one was) = sigmoid(w . [1, confidence, i]), where
     `confidence` is the drafter's own per-token signal (a logit margin, a match count, a path probability:
-    any scale). Refit online by a few Newton steps on the latest outcomes every `refit_every` updates."""
+    any scale). Refit online by a few Newton steps on the latest outcomes every `refit_every` updates. A
+    calibrated confidence (DSpark's confidence head: a logit of the acceptance) is used as it is until the
+    first fit, which then starts from the identity, w = (0, 1, 0)."""
 
     prior: float = 0.5  # the estimate before any outcome is seen
     window: int = 4096  # outcomes kept for the fit
@@ -36,16 +38,19 @@ class AcceptanceModel:
     _labels: list[float] = field(default_factory=list)
     _weights: np.ndarray | None = None
     _since_fit: int = 0
+    _calibrated: bool = False
 
-    def probabilities(self, confidence: list[float]) -> np.ndarray:
+    def probabilities(self, confidence: list[float], calibrated: bool = False) -> np.ndarray:
         if self._weights is None:
-            return np.full(len(confidence), self.prior)
+            return _sigmoid(np.asarray(confidence, dtype=np.float64)) if calibrated else np.full(len(confidence),
+                                                                                                 self.prior)
         x = self._design(np.asarray(confidence, dtype=np.float64), np.arange(len(confidence), dtype=np.float64))
         return _sigmoid(x @ self._weights)
 
-    def observe(self, confidence: list[float], drafted: int, accepted: int) -> None:
+    def observe(self, confidence: list[float], drafted: int, accepted: int, calibrated: bool = False) -> None:
         """A verified draft of `drafted` tokens had its first `accepted` accepted: positions up to the first
         rejection are outcomes; positions after it were never judged."""
+        self._calibrated = self._calibrated or calibrated
         for i in range(min(drafted, accepted + 1)):
             self._features.append((confidence[i], float(i)))
             self._labels.append(1.0 if i < accepted else 0.0)
@@ -64,7 +69,8 @@ class AcceptanceModel:
         data = np.asarray(self._features, dtype=np.float64)
         labels = np.asarray(self._labels, dtype=np.float64)
         x = self._design(data[:, 0], data[:, 1])
-        w = np.zeros(3) if self._weights is None else self._weights.copy()
+        start = np.array([0.0, 1.0, 0.0]) if self._calibrated else np.zeros(3)
+        w = start if self._weights is None else self._weights.copy()
         for _ in range(8):  # Newton's method on the L2-regularised log loss
             p = _sigmoid(x @ w)
             gradient = x.T @ (p - labels) + self.l2 * w
@@ -166,7 +172,7 @@ class AdaptiveVerifier:
         budget; pause drafting if no budget paid for it."""
         if not any(d.tokens for d in drafts):
             return drafts
-        survival = [np.cumprod(self.acceptance.probabilities(_confidence(d))) for d in drafts]
+        survival = [np.cumprod(self.acceptance.probabilities(_confidence(d), d.calibrated)) for d in drafts]
         counts = choose_budget(survival, self.pass_cost, self.draft_seconds, contexts)
         if self._probing:  # outcomes keep the estimates honest even while they advise against drafting
             counts = [max(n, min(1, len(d.tokens))) for n, d in zip(counts, drafts, strict=True)]
@@ -185,7 +191,7 @@ class AdaptiveVerifier:
 
     def observe(self, draft: Draft, accepted: int) -> None:
         if draft.tokens:
-            self.acceptance.observe(_confidence(draft), len(draft.tokens), accepted)
+            self.acceptance.observe(_confidence(draft), len(draft.tokens), accepted, draft.calibrated)
 
 
 def _sigmoid(z: np.ndarray) -> np.ndarray:

@@ -342,7 +342,8 @@ class Engine:
             seed = request.sampling.seed if request.sampling.seed is not None else random.getrandbits(63)
             state = _Running(
                 request=request,
-                seq=SequenceView(request_id, list(request.prompt_ids), len(request.prompt_ids)),
+                seq=SequenceView(request_id, list(request.prompt_ids), len(request.prompt_ids),
+                                 request.sampling.temperature),
                 slot=slot,
                 generator=torch.Generator().manual_seed(seed),
                 stats=DecodeStats(cached_prompt_tokens=reused),

@@ -24,12 +24,17 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from specstand.drafters.dspark import draft_rows_of
 from specstand.drafters.nn import DrafterSpec
-from specstand.drafters.trained import WEIGHTS, DrafterLoadError, read_drafter, save_tensors
+from specstand.drafters.trained import BLOCK_METHODS, WEIGHTS, DrafterLoadError, read_drafter, save_tensors
 from specstand.models import LoadedModel
 
 SPECULATORS_VERSION = "0.3.0"
-ARCHITECTURES = {"eagle3": "Eagle3Speculator", "dflash": "DFlashSpeculator"}
+ARCHITECTURES = {"eagle3": "Eagle3Speculator", "dflash": "DFlashSpeculator", "dspark": "DSparkSpeculator",
+                 "dflash2": "DFlash2Speculator"}
+# tables ours index by draft id (+ one shared row for other tokens) and speculators by verifier id
+BY_PREVIOUS_TOKEN = ("markov_head.markov_w1.weight", "candidate_selector.predecessor_codebook")
+BY_CANDIDATE = ("candidate_selector.successor_codebook",)
 
 
 # where the presets' models are published: what a vLLM user names as the verifier
@@ -59,8 +64,17 @@ def check_spec(spec: DrafterSpec, source: Path, draft_ids: torch.Tensor) -> None
                                f"{spec.num_kv_heads}")
     if not spec.tap_layers or any(not isinstance(t, int) or not 0 <= t <= 1024 for t in spec.tap_layers):
         raise DrafterLoadError(f"{source}: the target layers read ({spec.tap_layers}) must be layer numbers >= 0")
-    if spec.method == "dflash" and not 2 <= spec.block_size <= 64:
-        raise DrafterLoadError(f"{source}: block_size={spec.block_size} (a DFlash block has 2..64 positions)")
+    if spec.method in BLOCK_METHODS and not 2 <= spec.block_size <= 64:
+        raise DrafterLoadError(f"{source}: block_size={spec.block_size} (a block has 2..64 positions)")
+    if spec.method == "dspark" and not 1 <= spec.markov_rank <= 4096:
+        raise DrafterLoadError(f"{source}: markov_rank={spec.markov_rank} (DSpark needs 1..4096)")
+    if spec.method == "dflash2" and not (1 <= spec.conv_kernel_size <= 8 and spec.conv_group_size >= 1
+                                         and spec.hidden_size % spec.conv_group_size == 0
+                                         and 1 <= spec.selector_rank <= 4096
+                                         and 2 <= spec.selector_top_k <= spec.draft_vocab_size):
+        raise DrafterLoadError(f"{source}: conv_kernel_size={spec.conv_kernel_size}, conv_group_size="
+                               f"{spec.conv_group_size}, selector_rank={spec.selector_rank}, selector_top_k="
+                               f"{spec.selector_top_k} make no DFlash 2 drafter of hidden size {spec.hidden_size}")
     if not 0 <= spec.mask_token_id < spec.target_vocab_size:
         raise DrafterLoadError(f"{source}: mask_token_id={spec.mask_token_id} is outside the vocabulary")
     if not (math.isfinite(spec.rms_eps) and spec.rms_eps > 0 and math.isfinite(spec.rope_theta)
@@ -97,17 +111,25 @@ def export_speculators(drafter: Path, target: LoadedModel, out: Path) -> None:
     spec, tensors = read_drafter(drafter)
     if spec.method not in ARCHITECTURES:
         raise DrafterLoadError(f"speculators/vLLM have no format for a standalone {spec.method} head "
-                               f"(export eagle3 or dflash drafters)")
+                               f"(export eagle3, dflash, dspark or dflash2 drafters)")
     draft_ids = tensors.pop("d2t")
     renamed = {("layers.0.hidden_norm.weight" if k == "hidden_norm.weight" and spec.method == "eagle3" else k): v
                for k, v in tensors.items()}
-    if "lm_head.weight" not in renamed:  # DFlash reads the target's head rows of the draft vocabulary
+    prev_rows = draft_rows_of(draft_ids, spec.target_vocab_size)
+    for name in BY_PREVIOUS_TOKEN:
+        if name in renamed:
+            renamed[name] = renamed[name][prev_rows]
+    for name in BY_CANDIDATE:
+        if name in renamed:
+            renamed[name] = torch.zeros(spec.target_vocab_size, renamed[name].shape[1],
+                                        dtype=renamed[name].dtype).index_copy_(0, draft_ids, renamed[name])
+    if "lm_head.weight" not in renamed:  # block drafters read the target's head rows of the draft vocabulary
         renamed["lm_head.weight"] = target.decoder.weights.lm_head[draft_ids].to(torch.bfloat16)
     renamed["d2t"] = draft_ids - torch.arange(len(draft_ids))
     t2d = torch.zeros(spec.target_vocab_size, dtype=torch.bool)
     t2d[draft_ids] = True
     renamed["t2d"] = t2d
-    k = spec.block_size - 1 if spec.method == "dflash" else 5
+    k = spec.block_drafts or 5
     config = {
         "architectures": [ARCHITECTURES[spec.method]],
         "speculators_model_type": spec.method,
@@ -129,7 +151,17 @@ def export_speculators(drafter: Path, target: LoadedModel, out: Path) -> None:
         config |= {"norm_before_residual": False, "eagle_aux_hidden_state_layer_ids": spec.tap_layers}
     else:
         config |= {"aux_hidden_state_layer_ids": [t - 1 for t in spec.tap_layers], "block_size": spec.block_size,
-                   "mask_token_id": spec.mask_token_id}
+                   "mask_token_id": spec.mask_token_id, "sample_from_anchor": spec.sample_from_anchor}
+    if spec.method == "dspark":
+        config |= {"markov_rank": spec.markov_rank, "markov_head_type": "vanilla",
+                   "enable_confidence_head": spec.enable_confidence_head,
+                   "confidence_head_with_markov": spec.confidence_head_with_markov}
+    if spec.method == "dflash2":
+        fields = {"block_size": spec.block_size, "conv_kernel_size": spec.conv_kernel_size,
+                  "conv_group_size": spec.conv_group_size, "selector_rank": spec.selector_rank,
+                  "selector_top_k": spec.selector_top_k, "mask_token_id": spec.mask_token_id}
+        # flat for speculators, nested as vLLM/SGLang read DFlash-family drafters
+        config |= fields | {"dflash_config": fields | {"target_layer_ids": [t - 1 for t in spec.tap_layers]}}
     _write_atomic(out, config, renamed)
 
 
@@ -165,22 +197,42 @@ def import_speculators(source: Path, out: Path, target: str | None = None) -> Dr
     if "specstand_spec" in config:
         spec = DrafterSpec(**config["specstand_spec"])
     else:
+        nested = config.get("dflash_config") or {}
+        fields = nested | {k: v for k, v in config.items() if k != "dflash_config"}
         taps = (config.get("eagle_aux_hidden_state_layer_ids") if method == "eagle3"
-                else [i + 1 for i in config.get("aux_hidden_state_layer_ids", [])])
+                else [i + 1 for i in fields.get("aux_hidden_state_layer_ids", fields.get("target_layer_ids", []))])
         spec = _spec_from_layer_config(method, config["transformer_layer_config"], verifier.get("name_or_path", ""),
-                                       taps or [], config["draft_vocab_size"], config.get("block_size", 0),
-                                       config.get("mask_token_id", 0))
+                                       taps or [], config["draft_vocab_size"], fields.get("block_size", 0),
+                                       fields.get("mask_token_id", 0))
         spec.target_architecture = (verifier.get("architectures") or [""])[0]
+        if method == "dspark":
+            spec.markov_rank = int(fields.get("markov_rank", 0))
+            spec.enable_confidence_head = bool(fields.get("enable_confidence_head", False))
+            spec.confidence_head_with_markov = bool(fields.get("confidence_head_with_markov", True))
+        if method == "dflash2":
+            for name in ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k"):
+                setattr(spec, name, int(fields.get(name, 0)))
+    # the checkpoint's own word on its block layout (DSpark's default: the anchor row drafts first); read
+    # wrong, every draft is one slot off and acceptance falls to about nothing
+    spec.sample_from_anchor = bool(config.get("sample_from_anchor", method == "dspark"))
     if target:
         spec = replace(spec, target=target)
     offsets = tensors.pop("d2t", None)
     tensors.pop("t2d", None)
     ours = {("hidden_norm.weight" if k == "layers.0.hidden_norm.weight" else k): v for k, v in tensors.items()
             if k != "embed_tokens.weight"}
-    if method == "dflash":
+    if method in BLOCK_METHODS:
         ours.pop("lm_head.weight", None)  # ours reads the target's head rows
     draft_ids = torch.arange(spec.target_vocab_size) if offsets is None else offsets + torch.arange(len(offsets))
     check_spec(spec, source, draft_ids)
+    others = torch.ones(spec.target_vocab_size, dtype=torch.bool).index_fill_(0, draft_ids, False)
+    for name in BY_PREVIOUS_TOKEN:  # the draft ids' rows, then the row every other token shares
+        if name in ours:
+            other = ours[name][others][:1] if others.any() else torch.zeros_like(ours[name][:1])
+            ours[name] = torch.cat([ours[name][draft_ids], other])
+    for name in BY_CANDIDATE:
+        if name in ours:
+            ours[name] = ours[name][draft_ids]
     save_tensors(spec, {**ours, "d2t": draft_ids}, out)
     return spec
 

@@ -4,11 +4,14 @@ The held-out calls run through the engine itself (greedy, one request at a time)
 per position and tau (over ALL target passes) are exactly what serving would see on those calls. Costs
 are measured on this machine: one plain target step, one verify pass of K+1 rows, and the drafter's own
 time per proposal; the predicted speedup is seed 000's claim 3, tau * T_step / (T_verify(K+1) + T_draft),
-printed next to the measured one (wall time of the plain engine over the drafted one, same calls).
+printed next to the measured one (wall time of the plain engine over the drafted one, same calls). A
+drafter with a confidence head (DSpark) also gets its calibration: per draft position, the mean predicted
+acceptance beside the observed one (positions judged only, i.e. every earlier one accepted).
 """
 
 from __future__ import annotations
 
+import math
 import statistics
 import time
 from dataclasses import asdict, dataclass
@@ -38,6 +41,7 @@ class KEvaluation:
     predicted_speedup: float
     measured_speedup: float
     identical: bool  # every answer equals plain greedy decoding
+    calibration: list[tuple[float, float]] | None = None  # per position: (predicted, observed) acceptance
 
 
 class _TimedDrafter(Drafter):
@@ -49,6 +53,8 @@ class _TimedDrafter(Drafter):
         self.tap_layers = inner.tap_layers
         self.seconds = 0.0
         self.proposals = 0
+        self._drafts: dict[int, Draft] = {}  # request -> its last calibrated draft, until its outcome comes
+        self.judged: list[tuple[int, float, bool]] = []  # (position, predicted, accepted)
 
     def begin(self, seq: SequenceView) -> None:
         self.inner.begin(seq)
@@ -58,9 +64,16 @@ class _TimedDrafter(Drafter):
         draft = self.inner.propose(seq, max_tokens)
         self.seconds += time.perf_counter() - started
         self.proposals += 1
+        if draft.calibrated and draft.tokens:
+            self._drafts[seq.request_id] = draft
         return draft
 
     def extend(self, seq: SequenceView, new_tokens: list[int], hidden=None) -> None:
+        draft = self._drafts.pop(seq.request_id, None)
+        if draft is not None:  # greedy: the accepted drafts, then the target's own token
+            accepted = len(new_tokens) - 1
+            for i in range(min(len(draft.tokens), accepted + 1)):
+                self.judged.append((i, 1 / (1 + math.exp(-draft.confidence[i])), i < accepted))
         started = time.perf_counter()
         self.inner.extend(seq, new_tokens, hidden)
         if seq.output_ids != new_tokens:  # the prompt's rows are prefill work, not per-step work
@@ -119,12 +132,25 @@ def evaluate_drafter(model: LoadedModel, drafter_path: Path, rows: list[TrainRow
             predicted_speedup=round(stats.tau * step_ms / (verify_ms + draft_ms), 3),
             measured_speedup=round(plain_s / seconds, 3),
             identical=all(a.output_ids == b.output_ids for a, b in zip(results, plain, strict=True)),
+            calibration=calibration(timed.judged) or None,
         )
         log(f"K={k}: tau {figure.tau} (vLLM-style {figure.tau_per_draft}), acceptance per position "
             f"{figure.acceptance_per_position}, verify {verify_ms:.1f} ms, draft {draft_ms:.1f} ms, "
             f"predicted x{figure.predicted_speedup}, measured x{figure.measured_speedup}, identical {figure.identical}")
+        if figure.calibration:
+            log(f"K={k}: confidence head, predicted vs observed acceptance per position: "
+                + ", ".join(f"{p:.2f}/{o:.2f}" for p, o in figure.calibration))
         figures.append(figure)
     return figures
+
+
+def calibration(judged: list[tuple[int, float, bool]]) -> list[tuple[float, float]]:
+    """(mean predicted, observed) acceptance per draft position from (position, predicted, accepted)."""
+    out = []
+    for position in range(max((j[0] for j in judged), default=-1) + 1):
+        at = [(p, a) for i, p, a in judged if i == position]
+        out.append((round(statistics.fmean(p for p, _ in at), 3), round(statistics.fmean(a for _, a in at), 3)))
+    return out
 
 
 def as_dicts(figures: list[KEvaluation]) -> list[dict]:
@@ -160,4 +186,9 @@ def write_card(folder: Path, figures: list[KEvaluation], command: str) -> None:
     ]
     lines += [f"| {f.k} | {f.tau} | {f.tau_per_draft} | {' '.join(str(a) for a in f.acceptance_per_position)} | "
               f"x{f.predicted_speedup} | x{f.measured_speedup} |" for f in figures]
+    calibrated = [f for f in figures if f.calibration]
+    if calibrated:
+        f = calibrated[-1]
+        lines += ["", f"Confidence head at K={f.k}, predicted / observed acceptance per position: "
+                  + ", ".join(f"{p} / {o}" for p, o in f.calibration)]
     (folder / "README.md").write_text("\n".join(lines) + "\n")

@@ -51,3 +51,51 @@ def chain_step_loss(logits: torch.Tensor, labels: torch.Tensor, valid: torch.Ten
         mask = valid & (labels >= 0)
         per_row = F.cross_entropy(logits, labels.clamp_min(0), reduction="none")
     return (per_row * mask).sum() / mask.sum().clamp_min(1)
+
+
+def exp_position_weights(positions: int, scale: float = 4.0) -> torch.Tensor:
+    """DeepSpec's DSpark weighting: position k (0-based) weighs exp(-k / scale), normalised to mean 1."""
+    weights = torch.exp(-torch.arange(positions, dtype=torch.float32) / scale)
+    return weights / weights.mean()
+
+
+def acceptance_rate(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    """The probability that a token drawn from q is accepted when the target's distribution is p:
+    sum over tokens of min(p, q) = 1 - TV(p, q), over the last dimension."""
+    return torch.minimum(p, q).sum(-1)
+
+
+def dspark_loss(logits: torch.Tensor, target_probs: torch.Tensor, labels: torch.Tensor, valid: torch.Tensor,
+                position_weights: torch.Tensor, confidence_logits: torch.Tensor | None,
+                ce_weight: float = 0.1, l1_weight: float = 0.9, confidence_weight: float = 1.0,
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+    """DSpark's loss as DeepSpec weighs it, per draft position ([anchors, D, V] Markov-corrected logits,
+    the target's distribution over the same vocabulary): 0.1 cross-entropy to the target's argmax + 0.9 L1
+    distance |p - q| + 1.0 BCE of the confidence head against the analytic acceptance 1 - TV(p, q)
+    (computed from q without gradient: the head learns to predict it, the drafter is not pulled towards
+    what the head predicts well). Returns the loss and the mean probability of the right token per
+    position (for D-PACE)."""
+    log_q = F.log_softmax(logits, -1)
+    q = log_q.exp()
+    learnable = valid & (labels >= 0)
+    ce = -log_q.gather(-1, labels.clamp_min(0)[..., None]).squeeze(-1)
+    per_position = ce_weight * ce * learnable + l1_weight * (target_probs - q).abs().sum(-1) * valid
+    if confidence_logits is not None:
+        accepted = acceptance_rate(target_probs, q.detach())
+        bce = F.binary_cross_entropy_with_logits(confidence_logits, accepted, reduction="none")
+        per_position = per_position + confidence_weight * bce * valid
+    weights = position_weights[None, :] * valid
+    loss = (per_position * position_weights[None, :]).sum() / weights.sum().clamp_min(1e-9)
+    with torch.no_grad():
+        right = torch.exp(-ce) * learnable
+        q_right = right.sum(0) / valid.sum(0).clamp_min(1)
+    return loss, q_right
+
+
+def selector_loss(edge_scores: torch.Tensor, target_index: torch.Tensor, learnable: torch.Tensor,
+                  position_weights: torch.Tensor) -> torch.Tensor:
+    """DFlash 2's ranker loss: cross-entropy of choosing the target's token among the candidates
+    ([anchors, D, k] edge scores, the index of the target's token in each row's candidates)."""
+    ce = F.cross_entropy(edge_scores.flatten(0, 1), target_index.flatten(), reduction="none").view(target_index.shape)
+    weights = position_weights[None, :] * learnable
+    return (ce * weights).sum() / weights.sum().clamp_min(1e-9)

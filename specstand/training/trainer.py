@@ -19,15 +19,14 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from specstand.drafters.chain import ChainModel
-from specstand.drafters.dflash import DFlashModel
 from specstand.drafters.nn import DrafterSpec, draft_vocabulary
 from specstand.drafters.target_parts import TargetParts
-from specstand.drafters.trained import TRAINED, build_model, drafter_state, save_drafter
+from specstand.drafters.trained import BLOCK_METHODS, TRAINED, build_model, drafter_state, save_drafter
 from specstand.models import LoadedModel
 from specstand.training.data import load_rows
-from specstand.training.features import Pack, TargetFeatures, pack_rows, plan_packs
-from specstand.training.losses import chain_step_loss, dflash_loss, dpace_weights, target_to_draft
+from specstand.training.features import TargetFeatures, pack_rows, plan_packs
+from specstand.training.losses import target_to_draft
+from specstand.training.objectives import BLOCK_OBJECTIVES, chain_objective
 
 TRAINER_STATE = "trainer.pt"
 
@@ -45,13 +44,21 @@ class TrainConfig:
     max_len: int = 2048
     seed: int = 0
     save_every: int = 50
-    num_layers: int = 0  # 0: the method's default (dflash 2, eagle3/mtp 1)
+    num_layers: int = 0  # 0: the method's default (block methods 2, eagle3/mtp 1)
     intermediate_size: int = 0  # 0: the target's, capped at 1536 (sized for a CPU)
     draft_vocab_size: int = 8192
-    num_taps: int = 5  # dflash: target layers read, spread over depth
-    block_size: int = 8  # dflash
-    anchors: int = 64  # dflash: blocks trained per pack
-    dpace_alpha: float = 0.5  # dflash: D-PACE smoothing
+    num_taps: int = 5  # block methods: target layers read, spread over depth
+    block_size: int = 8  # block methods
+    anchors: int = 64  # block methods: blocks trained per pack
+    dpace_alpha: float = 0.5  # block methods: D-PACE smoothing
+    position_weighting: str = ""  # block methods: dpace | exp (exp(-k/4)); "": dspark exp, the others dpace
+    markov_rank: int = 256  # dspark
+    confidence_head: bool = True  # dspark
+    conv_kernel_size: int = 2  # dflash2
+    conv_group_size: int = 16  # dflash2
+    selector_rank: int = 256  # dflash2
+    selector_top_k: int = 16  # dflash2
+    selector_alpha: float = 1.0  # dflash2: weight of the ranker's loss beside the unary one
     train_steps: int = 3  # eagle3/mtp: unrolled training-time-test steps
     step_decay: float = 0.0  # eagle3/mtp: weight of step s is decay**(s-1); 0: method default
     extra: dict = field(default_factory=dict)
@@ -61,8 +68,14 @@ class TrainConfig:
             raise ValueError(f"unknown trained method {self.method!r} (choose from {', '.join(TRAINED)})")
         if self.steps < 1 or self.save_every < 1 or self.pack_tokens < 16:
             raise ValueError("--steps and --save-every must be >= 1, --pack-tokens >= 16")
-        if self.method == "dflash" and self.block_size < 2:
-            raise ValueError("a DFlash block needs at least 2 positions")
+        if self.method in BLOCK_METHODS and self.block_size < 2:
+            raise ValueError("a block drafter's block needs at least 2 positions")
+        if self.position_weighting not in ("", "dpace", "exp"):
+            raise ValueError(f"--position-weighting {self.position_weighting!r} is not dpace or exp")
+
+    @property
+    def weighting(self) -> str:
+        return self.position_weighting or ("exp" if self.method == "dspark" else "dpace")
 
     @property
     def decay(self) -> float:
@@ -70,8 +83,8 @@ class TrainConfig:
 
 
 def tap_layers_for(config: TrainConfig, num_layers: int) -> list[int]:
-    if config.method == "dflash":
-        return TRAINED["dflash"][0](num_layers, config.num_taps)
+    if config.method in BLOCK_METHODS:
+        return TRAINED[config.method][0](num_layers, config.num_taps)
     return TRAINED[config.method][0](num_layers)
 
 
@@ -81,21 +94,28 @@ def make_spec(config: TrainConfig, target: LoadedModel, mask_token_id: int) -> D
     config_file = Path(target.path) / "config.json"
     architectures = json.loads(config_file.read_text()).get("architectures") if config_file.is_file() else None
     arch = (architectures or [""])[0]
+    block = config.method in BLOCK_METHODS
     return DrafterSpec(
         method=config.method, target=target.name, target_architecture=arch, target_vocab_size=shape.vocab_size,
         hidden_size=shape.hidden_size, num_heads=shape.num_heads, num_kv_heads=shape.num_kv_heads,
         head_dim=shape.head_dim, intermediate_size=intermediate,
-        num_layers=config.num_layers or (2 if config.method == "dflash" else 1), rms_eps=shape.rms_eps,
+        num_layers=config.num_layers or (2 if block else 1), rms_eps=shape.rms_eps,
         rope_theta=10000.0, tap_layers=tap_layers_for(config, shape.num_layers),
         draft_vocab_size=config.draft_vocab_size,
-        block_size=config.block_size if config.method == "dflash" else 0, mask_token_id=mask_token_id,
-        train_steps=config.train_steps if config.method != "dflash" else 0,
-        qk_norm=config.method == "dflash",  # Qwen3-style layers, as speculators' and z-lab's DFlash have
+        block_size=config.block_size if block else 0, mask_token_id=mask_token_id,
+        train_steps=0 if block else config.train_steps,
+        qk_norm=block,  # Qwen3-style layers, as speculators' and z-lab's DFlash have
+        sample_from_anchor=config.method == "dspark",  # DSpark's layout: the anchor row drafts first
+        markov_rank=config.markov_rank if config.method == "dspark" else 0,
+        enable_confidence_head=config.method == "dspark" and config.confidence_head,
+        conv_kernel_size=config.conv_kernel_size if config.method == "dflash2" else 0,
+        conv_group_size=config.conv_group_size, selector_rank=config.selector_rank if config.method == "dflash2" else 0,
+        selector_top_k=config.selector_top_k,
     )
 
 
 def pick_mask_token(target: LoadedModel, responses: list[list[int]]) -> int:
-    """DFlash's mask: the tokenizer's pad token when it is not a stop token, else the lowest id never seen
+    """The block methods' mask: the tokenizer's pad token when it is not a stop token, else the lowest id never seen
     in a response (its embedding is a fixed, distinct vector; that is all a mask needs)."""
     pad = getattr(target.tokenizer, "pad_token_id", None)
     if pad is not None and pad not in target.stop_token_ids:
@@ -108,64 +128,6 @@ def pick_mask_token(target: LoadedModel, responses: list[list[int]]) -> int:
 def learning_rate(config: TrainConfig, step: int) -> float:
     warmup = max(int(config.warmup * config.steps), 1)
     return config.lr * min(1.0, (step + 1) / warmup) * max(0.0, 1 - step / config.steps)
-
-
-def dflash_objective(
-    model: DFlashModel, pack: Pack, t2d: torch.Tensor, config: TrainConfig, generator: torch.Generator,
-    running_q: torch.Tensor,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Loss, q per position (for D-PACE) and accepted-prefix rate per position over sampled anchors."""
-    count, b = len(pack.tokens), model.spec.block_size
-    label = pack.next_label
-    # an anchor holds an emitted response token (chosen at a-1) with at least one response token after it
-    candidates = torch.nonzero((label[:-1] >= 0) & (label[1:] >= 0)).flatten() + 1
-    anchors = candidates[torch.randperm(len(candidates), generator=generator)[: config.anchors]].sort().values
-    logits = model.training_logits(pack.taps, pack.tokens, pack.positions, pack.docs, anchors)[:, 1:]
-    source = anchors[:, None] + torch.arange(b - 1)[None]  # row i (1..B-1) is chosen at position a+i-1
-    inside = source < count
-    source = source.clamp_max(count - 1)
-    valid = inside & (label[source] >= 0) & (pack.docs[source] == pack.docs[anchors][:, None])
-    labels = torch.where(label[source] >= 0, t2d[label[source].clamp_min(0)], -1)
-    loss, q = dflash_loss(logits, labels, valid, dpace_weights(running_q, config.dpace_alpha))
-    hits = (logits.argmax(-1) == labels) & valid
-    return loss, q, torch.cumprod(hits.int(), dim=1).float().mean(0)
-
-
-def chain_objective(model: ChainModel, pack: Pack, t2d: torch.Tensor, config: TrainConfig,
-                    soft: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """Loss over the unrolled steps and accepted-prefix rate per step (chains anchored at real rows)."""
-    steps = model.spec.train_steps
-    hidden = model.training_hidden(pack.taps, pack.tokens, pack.positions, pack.docs, steps)
-    count = len(pack.tokens)
-    index = torch.arange(count)
-    source = (index + 1).clamp_max(count - 1)  # row j predicts token j+2, chosen by the target at j+1
-    label = torch.where(index + 1 < count, pack.next_label[source], -1)
-    labels = torch.where(label >= 0, t2d[label.clamp_min(0)], -1)
-    total, norm = 0.0, 0.0
-    hits = torch.zeros(steps, count, dtype=torch.bool)
-    for s in range(1, steps + 1):
-        anchor = index - s + 1
-        valid = (label >= 0) & (anchor >= 0) & (pack.docs[anchor.clamp_min(0)] == pack.docs[source])
-        rows = torch.nonzero(valid).flatten()
-        if not len(rows):
-            continue
-        logits = model.logits(hidden[s - 1][rows])
-        target_logits = model.target.head(pack.final[source[rows]]) if soft else None
-        weight = config.decay ** (s - 1)
-        total = total + weight * chain_step_loss(logits, labels[rows], torch.ones(len(rows), dtype=torch.bool),
-                                                 target_logits)
-        norm += weight
-        hits[s - 1, rows] = logits.argmax(-1).detach() == labels[rows]
-    # chain anchored at real row a: its step s is row a+s-1
-    anchors = torch.nonzero(label >= 0).flatten()
-    survive = torch.ones(len(anchors), dtype=torch.bool)
-    prefix = []
-    for s in range(steps):
-        at = anchors + s
-        survive = survive & (at < count) & hits[s, at.clamp_max(count - 1)]
-        prefix.append(survive.float().mean() if len(anchors) else torch.tensor(0.0))
-    loss = total / norm if norm else torch.zeros((), requires_grad=True)
-    return loss, torch.stack(prefix)
 
 
 # what a resumed run may change: how long it trains, how often it saves, where the folder is, the card
@@ -231,7 +193,7 @@ def train(
     model = build_model(spec, TargetParts(weights.embed_tokens, weights.lm_head), draft_ids)
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=config.lr,
                                   betas=(0.9, 0.95), weight_decay=config.weight_decay)
-    start, running_q, elapsed = 0, torch.zeros(max(spec.block_size - 1, 1)), 0.0
+    start, running_q, elapsed = 0, torch.zeros(max(getattr(model, "num_drafts", 1), 1)), 0.0
     if state is not None:
         model.load_state_dict(state["model"], strict=False)
         optimizer.load_state_dict(state["optimizer"])
@@ -258,8 +220,8 @@ def train(
         for group in optimizer.param_groups:
             group["lr"] = learning_rate(config, step)
         generator = torch.Generator().manual_seed(config.seed * 1_000_003 + step)
-        if spec.method == "dflash":
-            loss, q, accepted = dflash_objective(model, pack, t2d, config, generator, running_q)
+        if spec.method in BLOCK_OBJECTIVES:
+            loss, q, accepted = BLOCK_OBJECTIVES[spec.method](model, pack, t2d, config, generator, running_q)
             running_q = torch.where(torch.isnan(q), running_q, 0.9 * running_q + 0.1 * q)
         else:
             loss, accepted = chain_objective(model, pack, t2d, config, soft=spec.method == "eagle3")

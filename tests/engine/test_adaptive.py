@@ -63,6 +63,20 @@ def test_acceptance_model_learns_what_the_confidence_signal_means():
     assert high > 0.9 and low < 0.1
 
 
+def test_a_calibrated_confidence_is_used_as_it_is_until_outcomes_correct_it():
+    """DSpark's confidence head gives logits of the acceptance: trusted from the first step, then refit.
+    Here the head is overconfident by 3 (true logit = head logit - 3) and the fit learns that."""
+    rng = np.random.default_rng(1)
+    model = AcceptanceModel(refit_every=50)
+    np.testing.assert_allclose(model.probabilities([2.0, -1.0], calibrated=True), 1 / (1 + np.exp([-2.0, 1.0])))
+    for _ in range(400):
+        confidence = rng.normal(1.0, 2.0, size=4).tolist()
+        accepted = next((i for i, c in enumerate(confidence) if rng.random() > 1 / (1 + np.exp(3 - c))), 4)
+        model.observe(confidence, 4, accepted, calibrated=True)
+    (fitted,) = model.probabilities([3.0], calibrated=True)
+    assert abs(fitted - 0.5) < 0.1, fitted
+
+
 class WrongAndSlow(Drafter):
     """Always wrong, and each draft takes a while: drafting can only lose."""
 

@@ -10,7 +10,7 @@ from safetensors.torch import load_file, save_file
 
 from specstand.drafters import make_drafter
 from specstand.drafters.trained import DrafterLoadError, read_drafter
-from specstand.engine import Engine, EngineConfig, Request
+from specstand.engine import DecodeStats, Engine, EngineConfig, Request
 from specstand.interop.speculators import export_speculators, import_dflash_zlab, import_speculators
 from specstand.training.data import load_rows
 from specstand.training.trainer import TrainConfig, train
@@ -19,14 +19,14 @@ from specstand.training.trainer import TrainConfig, train
 @pytest.fixture(scope="module")
 def drafters(tiny_target, tiny_data, tmp_path_factory) -> dict[str, Path]:
     folders = {}
-    for method in ("eagle3", "dflash", "mtp"):
+    for method in ("eagle3", "dflash", "dspark", "dflash2", "mtp"):
         folders[method] = tmp_path_factory.mktemp(method)
         train(TrainConfig(method, str(tiny_data), str(folders[method]), steps=3, pack_tokens=256,
                           draft_vocab_size=48), tiny_target, log=lambda _: None)
     return folders
 
 
-@pytest.mark.parametrize("method", ["eagle3", "dflash"])
+@pytest.mark.parametrize("method", ["eagle3", "dflash", "dspark", "dflash2"])
 def test_export_import_round_trip_is_bit_exact(method, drafters, tiny_target, tmp_path):
     exported = tmp_path / "speculators"
     export_speculators(drafters[method], tiny_target, exported)
@@ -44,7 +44,23 @@ def test_export_import_round_trip_is_bit_exact(method, drafters, tiny_target, tm
     assert torch.equal(tensors["d2t"] + torch.arange(48), d2t)  # offsets, as speculators stores them
     assert tensors["t2d"].dtype == torch.bool and int(tensors["t2d"].sum()) == 48
     assert tensors["lm_head.weight"].shape == (48, spec.hidden_size)
-    if method == "dflash":
+    vocab = spec.target_vocab_size
+    if method == "dspark":
+        assert config["sample_from_anchor"] is True and proposal["speculative_tokens"] == spec.block_size
+        assert config["markov_rank"] == spec.markov_rank and config["enable_confidence_head"] is True
+        assert tensors["markov_head.markov_w1.weight"].shape == (vocab, spec.markov_rank)  # by verifier id
+        assert tensors["markov_head.markov_w2.weight"].shape == (48, spec.markov_rank)
+        assert tensors["confidence_head.proj.weight"].shape == (1, spec.hidden_size + spec.markov_rank)
+    if method == "dflash2":
+        nested = config["dflash_config"]
+        assert nested["conv_kernel_size"] == config["conv_kernel_size"] == 2
+        assert nested["selector_top_k"] == 16 and nested["target_layer_ids"] == [t - 1 for t in spec.tap_layers]
+        for name in ("predecessor_codebook", "successor_codebook"):
+            assert tensors[f"candidate_selector.{name}"].shape == (vocab, spec.selector_rank)
+        assert tensors["layers.0.attention_conv.base_kernel"].shape == (2, 2, spec.hidden_size)
+        assert tensors["layers.1.mlp_conv.kernel_projection.weight"].shape == (2 * 2 * spec.hidden_size // 16,
+                                                                                spec.hidden_size)
+    if method != "eagle3":
         assert config["block_size"] == spec.block_size and config["mask_token_id"] == spec.mask_token_id
         assert config["aux_hidden_state_layer_ids"] == [t - 1 for t in spec.tap_layers]
     else:
@@ -58,6 +74,62 @@ def test_export_import_round_trip_is_bit_exact(method, drafters, tiny_target, tm
     assert restored.keys() == original.keys()
     for name in original:
         assert torch.equal(restored[name], original[name]), name
+
+
+@pytest.mark.parametrize("method", ["dspark", "dflash2"])
+def test_import_of_a_checkpoint_made_elsewhere_reads_the_method_fields(method, drafters, tiny_target, tmp_path):
+    """Without our own spec in the config (as speculators writes it), the flat/nested fields and the
+    verifier-vocabulary tables still give back the same drafter."""
+    exported = tmp_path / "speculators"
+    export_speculators(drafters[method], tiny_target, exported)
+    config = json.loads((exported / "config.json").read_text())
+    del config["specstand_spec"]
+    if method == "dflash2":  # vLLM/SGLang's nested form alone
+        for name in ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k", "block_size"):
+            del config[name]
+    (exported / "config.json").write_text(json.dumps(config))
+    back = tmp_path / "back"
+    spec_back = import_speculators(exported, back)
+    spec, original = read_drafter(drafters[method])
+    for name in ("block_size", "mask_token_id", "tap_layers", "sample_from_anchor", "markov_rank",
+                 "enable_confidence_head", "conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k"):
+        assert getattr(spec_back, name) == getattr(spec, name), name
+    restored = read_drafter(back)[1]
+    for name in original:
+        assert torch.equal(restored[name], original[name]), name
+
+
+def _tau(folder: Path, target, data: Path) -> float:
+    _, rows = load_rows(data)
+    requests = [Request(r.prompt_ids, 40) for r in rows if r.split == "train"]
+    drafter = make_drafter(read_drafter(folder)[0].method, target.decoder, drafter_path=folder)
+    stats = DecodeStats()
+    for result in Engine(target.decoder, drafter, EngineConfig(8, 512, 2)).generate(requests):
+        stats.merge(result.stats)
+    return stats.tau
+
+
+@pytest.mark.parametrize("method", ["dspark", "dflash"])
+def test_import_follows_the_checkpoints_block_layout(method, trained, tiny_target, tiny_data, tmp_path):
+    """DSpark exports say sample_from_anchor=true (the anchor row drafts first), DFlash ones false; the
+    import honours the flag both ways: read right, the drafter drafts exactly as before; read one slot
+    off, it drafts differently, and DFlash (no Markov head to lean on) gets few drafts right."""
+    original = trained[method, 300]
+    exported = tmp_path / "speculators"
+    export_speculators(original, tiny_target, exported)
+    config = json.loads((exported / "config.json").read_text())
+    assert config["sample_from_anchor"] is (method == "dspark")
+    taus = {}
+    for flag in (True, False):
+        config["sample_from_anchor"] = flag
+        (exported / "config.json").write_text(json.dumps(config))
+        back = tmp_path / f"back-{flag}"
+        assert import_speculators(exported, back).sample_from_anchor is flag
+        taus[flag] = _tau(back, tiny_target, tiny_data)
+    right, shifted = taus[method == "dspark"], taus[method != "dspark"]
+    assert right == _tau(original, tiny_target, tiny_data) > 2.0 and shifted != right, taus
+    if method == "dflash":
+        assert shifted < 0.6 * right, taus
 
 
 def test_export_refuses_a_format_that_does_not_exist(drafters, tiny_target, tmp_path):

@@ -15,24 +15,11 @@ from specstand.engine import DecodeStats, Engine, EngineConfig, Request
 from specstand.training.data import load_rows
 from specstand.training.features import TargetFeatures, pack_rows
 from specstand.training.losses import dpace_weights, target_to_draft
-from specstand.training.trainer import TRAINER_STATE, TrainConfig, chain_objective, dflash_objective, train
+from specstand.training.objectives import BLOCK_OBJECTIVES, chain_objective
+from specstand.training.trainer import TRAINER_STATE, TrainConfig, train
 from specstand.verification import SamplingParams
 from tests.conftest import FORWARDS, tiny_decoder
-
-STEPS = {"dflash": 300, "eagle3": 300, "mtp": 300}
-
-
-@pytest.fixture(scope="module")
-def trained(tiny_target, tiny_data, tmp_path_factory) -> dict[str, Path]:
-    """Each method trained on the tiny target's own answers (a short run and a long one)."""
-    folders = {}
-    for method in TRAINED:
-        for steps in (1, STEPS[method]):
-            out = tmp_path_factory.mktemp(f"{method}-{steps}")
-            train(TrainConfig(method, str(tiny_data), str(out), steps=steps, pack_tokens=256, save_every=100,
-                              lr=3e-3, draft_vocab_size=64), tiny_target, log=lambda _: None)
-            folders[method, steps] = out
-    return folders
+from tests.conftest import TRAINED_STEPS as STEPS
 
 
 def _loss(folder: Path, target, data: Path) -> float:
@@ -44,9 +31,10 @@ def _loss(folder: Path, target, data: Path) -> float:
     t2d = target_to_draft(model.d2t, model.spec.target_vocab_size)
     config = TrainConfig(model.spec.method, str(data), "unused", anchors=512)
     with torch.no_grad():
-        if model.spec.method == "dflash":
+        if model.spec.method in BLOCK_OBJECTIVES:
             generator = torch.Generator().manual_seed(0)
-            return dflash_objective(model, pack, t2d, config, generator, torch.zeros(7))[0].item()
+            running_q = torch.zeros(model.num_drafts)
+            return BLOCK_OBJECTIVES[model.spec.method](model, pack, t2d, config, generator, running_q)[0].item()
         return chain_objective(model, pack, t2d, config, soft=model.spec.method == "eagle3")[0].item()
 
 

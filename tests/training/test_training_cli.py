@@ -33,6 +33,17 @@ def test_train_evaluate_export_import_and_generate(capsys, tiny_model_dir, tmp_p
     figures = json.loads((tmp_path / "eval.json").read_text())["figures"]
     assert [f["k"] for f in figures] == [2, 3] and all(f["identical"] for f in figures)
     assert "| 3 |" in out and "Held-out calls" in (drafters / "dflash" / "README.md").read_text()
+    # DSpark trained with its own options; its evaluation prints the confidence head's calibration
+    code, _, err = _run(capsys, "train", "--method", "dspark", *model, "--data", str(data), "--out",
+                        str(drafters / "dspark"), "--steps", "4", "--pack-tokens", "256", "--draft-vocab", "64",
+                        "--markov-rank", "16", "--block-size", "4")
+    assert code == 0, err
+    code, out, err = _run(capsys, "eval-drafter", *model, "--drafter", str(drafters / "dspark"), "--data", str(data),
+                          "--k", "4", "--json", str(tmp_path / "dspark.json"))
+    assert code == 0, err
+    (figure,) = json.loads((tmp_path / "dspark.json").read_text())["figures"]
+    assert figure["identical"] and figure["calibration"] and all(0 < p < 1 for p, _ in figure["calibration"])
+    assert "predicted vs observed acceptance per position" in err + out
     assert _run(capsys, "export", "--model", str(tiny_model_dir), str(drafters / "eagle3"), str(tmp_path / "x"))[0] == 0
     assert _run(capsys, "import", str(tmp_path / "x"), str(tmp_path / "back"))[0] == 0
     code, out, _ = _run(capsys, "generate", *model, "--method", "eagle3", "--drafter", str(tmp_path / "back"),

@@ -37,16 +37,17 @@ demo: install
 
 # Trained drafters for $(MODEL), as shipped in drafters/: the target answers the first $(DRAFTER_CALLS) agent calls
 # (8 at a time, bf16 where the compiled kernels compute prompts too (amx, avx512bf16), else fp32: on CPUs
-# without bf16 matrix instructions torch's fp32 GEMMs are several times faster than its bf16 ones); the three methods
+# without bf16 matrix instructions torch's fp32 GEMMs are several times faster than its bf16 ones); the five methods
 # train together on one pass of the target over the rows; each is evaluated on held-out turns and gets a
 # model card. SmolLM2: DFlash (about 1 s a step once that pass is in memory) is then resumed to 1200 steps.
-# Qwen (896 wide): a narrower MLP and a 6144-token draft vocabulary keep each drafter under 30 MB.
+# Qwen (896 wide): a narrower MLP, a 6144-token draft vocabulary and rank-128 Markov head / selector keep
+# each drafter under 30 MB.
 DRAFTERS := out/drafters
 TARGET_DTYPE ?= $(shell $(PY) -c "from specstand import kernels as k; print('bf16' if k.best_path() in ('amx', 'avx512bf16') else 'fp32')" 2>/dev/null || echo fp32)
 TRAIN_STEPS := 300
 ifeq ($(MODEL),qwen2.5-coder-0.5b)
 DRAFTER_CALLS ?= 160
-TRAIN_FLAGS ?= --dtype $(TARGET_DTYPE) --intermediate-size 1024 --draft-vocab 6144
+TRAIN_FLAGS ?= --dtype $(TARGET_DTYPE) --intermediate-size 1024 --draft-vocab 6144 --markov-rank 128 --selector-rank 128
 DFLASH_STEPS ?= $(TRAIN_STEPS)
 EVAL_CALLS ?= 6
 else
@@ -64,13 +65,14 @@ drafters: install
 	test -f $(DRAFTERS)/data-$(MODEL)/rows.jsonl || $(VENV)/bin/specstand train-data --model $(MODEL) --dtype $(TARGET_DTYPE) \
 		--max-batch 8 --workload $(DRAFTERS)/complexfuncbench.jsonl --workload $(DRAFTERS)/nestful.jsonl \
 		--out $(DRAFTERS)/data-$(MODEL) --limit-calls $(DRAFTER_CALLS)
-	$(VENV)/bin/specstand train --method dflash,eagle3,mtp --model $(MODEL) --data $(DRAFTERS)/data-$(MODEL) \
-		--out $(DRAFTERS)/$(MODEL) --steps $(TRAIN_STEPS) $(TRAIN_FLAGS)
+	$(VENV)/bin/specstand train --method dflash,eagle3,mtp,dspark,dflash2 --model $(MODEL) \
+		--data $(DRAFTERS)/data-$(MODEL) --out $(DRAFTERS)/$(MODEL) --steps $(TRAIN_STEPS) $(TRAIN_FLAGS)
 	test $(DFLASH_STEPS) -le $(TRAIN_STEPS) || $(VENV)/bin/specstand train --method dflash --model $(MODEL) \
 		--data $(DRAFTERS)/data-$(MODEL) --out $(DRAFTERS)/$(MODEL)/dflash --steps $(DFLASH_STEPS) --save-every 100 \
 		$(TRAIN_FLAGS)
-	$(VENV)/bin/specstand eval-drafter --model $(MODEL) --drafter $(DRAFTERS)/$(MODEL)/dflash \
-		--data $(DRAFTERS)/data-$(MODEL) --limit $(EVAL_CALLS) --k 3,7 --write-card
+	for method in dflash dspark dflash2; do $(VENV)/bin/specstand eval-drafter --model $(MODEL) \
+		--drafter $(DRAFTERS)/$(MODEL)/$$method --data $(DRAFTERS)/data-$(MODEL) --limit $(EVAL_CALLS) --k 3,7 \
+		--write-card || exit 1; done
 	for method in eagle3 mtp; do $(VENV)/bin/specstand eval-drafter --model $(MODEL) \
 		--drafter $(DRAFTERS)/$(MODEL)/$$method --data $(DRAFTERS)/data-$(MODEL) --limit $(EVAL_CALLS) --k 3,5 \
 		--write-card || exit 1; done

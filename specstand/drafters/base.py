@@ -1,9 +1,10 @@
 """The one small interface every drafter implements.
 
 The engine owns the sequences and calls, in order: `begin` when a request is admitted, then per step
-`propose` (up to k tokens, optionally with their draft distributions) and `extend` with the tokens the
-target emitted (trained drafters also get the target's hidden states of the positions it just cached),
-and `end` when the request finishes. Drafters never call back into the engine.
+`propose_many` for every running request at once (by default `propose` for each: up to k tokens,
+optionally with their draft distributions) and `extend` with the tokens the target emitted (trained
+drafters also get the target's hidden states of the positions it just cached), and `end` when the request
+finishes. Drafters never call back into the engine.
 """
 
 from __future__ import annotations
@@ -73,6 +74,12 @@ class Drafter(ABC):
     @abstractmethod
     def propose(self, seq: SequenceView, max_tokens: int) -> Draft:
         """Up to `max_tokens` guessed tokens following `seq.token_ids`."""
+
+    def propose_many(self, seqs: list[SequenceView], max_tokens: list[int]) -> list[Draft]:
+        """Drafts for several requests in one call (a budget <= 0 gets an empty draft). By default one
+        `propose` each; drafters whose work batches (one drafter pass over every request's block) override
+        it."""
+        return [self.propose(seq, k) if k > 0 else Draft([]) for seq, k in zip(seqs, max_tokens, strict=True)]
 
     def extend(  # noqa: B027 - optional hook
         self, seq: SequenceView, new_tokens: list[int], hidden: HiddenRows | None = None

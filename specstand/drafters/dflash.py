@@ -16,6 +16,8 @@ DSpark (dspark.py) and DFlash 2 (dflash2.py) are this model with other heads: th
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import nn
 
@@ -53,10 +55,16 @@ class DFlashModel(nn.Module):
     def num_drafts(self) -> int:
         return self.spec.block_drafts
 
-    def layer_forward(self, layer: nn.Module, hidden: torch.Tensor, positions: torch.Tensor,
-                      bias: torch.Tensor | None, kv: tuple) -> torch.Tensor:
-        attn, _ = layer.self_attn(layer.input_layernorm(hidden), positions, bias, kv)
-        return layer.mlp_block(hidden + attn)
+    def layer_forward(self, layer: nn.Module, hidden: torch.Tensor,
+                      attend: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+        """One drafter layer over block rows; `attend` is its attention over the context and the block."""
+        return layer.mlp_block(hidden + attend(layer.input_layernorm(hidden)))
+
+    def _layers(self, block_tokens: torch.Tensor, attend: Callable[[int, nn.Module, torch.Tensor], torch.Tensor]):
+        hidden = self.target.embed(block_tokens)
+        for i, layer in enumerate(self.layers):
+            hidden = self.layer_forward(layer, hidden, lambda x, i=i, layer=layer: attend(i, layer, x))
+        return self.norm(hidden)
 
     def block_hidden(
         self, block_tokens: torch.Tensor, positions: torch.Tensor, past: list[tuple], bias: torch.Tensor | None
@@ -64,10 +72,14 @@ class DFlashModel(nn.Module):
         """Final normed hidden states [rows, H] of block rows (tokens [rows], whole blocks of block_size
         rows one after another) over per-layer context keys/values `past`. `bias` [rows, context + rows]:
         None = everything visible."""
-        hidden = self.target.embed(block_tokens)
-        for layer, kv in zip(self.layers, past, strict=True):
-            hidden = self.layer_forward(layer, hidden, positions, bias, kv)
-        return self.norm(hidden)
+        return self._layers(block_tokens, lambda i, layer, x: layer.self_attn(x, positions, bias, past[i])[0])
+
+    def blocks_hidden(self, block_tokens: torch.Tensor, positions: torch.Tensor, pasts: list[list[tuple]]
+                      ) -> torch.Tensor:
+        """`block_hidden` of several requests' blocks in one pass, block r over its own per-layer context
+        `pasts[r]`: the projections and MLPs run once for every row."""
+        return self._layers(block_tokens,
+                            lambda i, layer, x: layer.self_attn.attend_blocks(x, positions, [p[i] for p in pasts]))
 
     def training_hidden(self, taps: torch.Tensor, tokens: torch.Tensor, positions: torch.Tensor,
                         docs: torch.Tensor, anchors: torch.Tensor) -> torch.Tensor:
@@ -139,21 +151,48 @@ class DFlashDrafter(Drafter):
             (torch.cat([ok, nk], 1), torch.cat([ov, nv], 1)) for (ok, ov), (nk, nv) in zip(old, new, strict=True)
         ]
 
-    @torch.inference_mode()
-    def propose(self, seq: SequenceView, max_tokens: int) -> Draft:
-        if max_tokens <= 0 or seq.request_id not in self._context:
-            return Draft([])
-        self._catch_up(seq.request_id)
-        past = self._context[seq.request_id]
-        if not past:
-            return Draft([])
+    def _block(self, seq: SequenceView) -> tuple[torch.Tensor, torch.Tensor]:
+        """Tokens and positions of the request's next block: [last token, MASK x (B-1)] at n-1, n, ..."""
         b = self.model.spec.block_size
         tokens = torch.full((b,), self.model.spec.mask_token_id)
         tokens[0] = seq.token_ids[-1]
-        positions = len(seq.token_ids) - 1 + torch.arange(b)
+        return tokens, len(seq.token_ids) - 1 + torch.arange(b)
+
+    def _draft(self, seq: SequenceView, block_hidden: torch.Tensor, max_tokens: int) -> Draft:
         first = self.model.first_draft_row
-        hidden = self.model.block_hidden(tokens, positions, past, None)[first : first + max_tokens]
-        return self.model.draft(hidden, seq.token_ids[-1], seq.temperature, self._generators[seq.request_id])
+        rows = block_hidden[first : first + max_tokens]
+        return self.model.draft(rows, seq.token_ids[-1], seq.temperature, self._generators[seq.request_id])
+
+    def _ready(self, seq: SequenceView, max_tokens: int) -> bool:
+        """Whether the request can draft now (its context caught up first)."""
+        if max_tokens <= 0 or seq.request_id not in self._context:
+            return False
+        self._catch_up(seq.request_id)
+        return bool(self._context[seq.request_id])
+
+    @torch.inference_mode()
+    def propose(self, seq: SequenceView, max_tokens: int) -> Draft:
+        if not self._ready(seq, max_tokens):
+            return Draft([])
+        tokens, positions = self._block(seq)
+        hidden = self.model.block_hidden(tokens, positions, self._context[seq.request_id], None)
+        return self._draft(seq, hidden, max_tokens)
+
+    @torch.inference_mode()
+    def propose_many(self, seqs: list[SequenceView], max_tokens: list[int]) -> list[Draft]:
+        """One drafter pass over every ready request's block (per-request attention over its own context)."""
+        ready = [i for i, (seq, k) in enumerate(zip(seqs, max_tokens, strict=True)) if self._ready(seq, k)]
+        drafts = [Draft([]) for _ in seqs]
+        if len(ready) == 1:
+            drafts[ready[0]] = self.propose(seqs[ready[0]], max_tokens[ready[0]])
+        elif ready:
+            blocks = [self._block(seqs[i]) for i in ready]
+            hidden = self.model.blocks_hidden(torch.cat([t for t, _ in blocks]), torch.cat([p for _, p in blocks]),
+                                              [self._context[seqs[i].request_id] for i in ready])
+            b = self.model.spec.block_size
+            for j, i in enumerate(ready):
+                drafts[i] = self._draft(seqs[i], hidden[j * b : (j + 1) * b], max_tokens[i])
+        return drafts
 
     def end(self, seq: SequenceView) -> None:
         self._context.pop(seq.request_id, None)

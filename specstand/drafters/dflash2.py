@@ -17,6 +17,8 @@ the draft vocabulary); the speculators export spreads them over the verifier's v
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -81,13 +83,12 @@ class DFlash2Model(DFlashModel):
         self.candidate_selector = CandidateSelector(spec.hidden_size, spec.draft_vocab_size, spec.selector_rank)
         self.register_buffer("prev_rows", draft_rows_of(draft_to_target, spec.target_vocab_size), persistent=False)
 
-    def layer_forward(self, layer: nn.Module, hidden: torch.Tensor, positions: torch.Tensor,
-                      bias: torch.Tensor | None, kv: tuple) -> torch.Tensor:
+    def layer_forward(self, layer: nn.Module, hidden: torch.Tensor,
+                      attend: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
         blocks = hidden.view(-1, self.spec.block_size, hidden.shape[-1])
         normed = layer.input_layernorm(blocks)
         deltas = layer.attention_conv.deltas(normed)
-        mixed = layer.attention_conv(normed, deltas, 0).flatten(0, 1)
-        attn, _ = layer.self_attn(mixed, positions, bias, kv)
+        attn = attend(layer.attention_conv(normed, deltas, 0).flatten(0, 1))
         blocks = blocks + layer.attention_conv(attn.view_as(blocks), deltas, 1)
         normed = layer.post_attention_layernorm(blocks)
         deltas = layer.mlp_conv.deltas(normed)

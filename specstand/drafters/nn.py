@@ -120,6 +120,20 @@ class Attention(nn.Module):
         return self.o_proj(out.transpose(0, 1).reshape(len(x), -1)), own
 
 
+    def attend_blocks(self, x: torch.Tensor, positions: torch.Tensor, pasts: list[tuple]) -> torch.Tensor:
+        """Rows x [R * B, input]: R blocks of B rows, block r attending over its own `pasts[r]` keys/values
+        and its own rows (non-causal). One projection for all rows; attention per block."""
+        q = rope(self._heads(x, self.q_proj, self.q_norm), positions, self.spec.rope_theta)
+        k, v = self.keys_values(x, positions)
+        b = len(x) // len(pasts)
+        outs = []
+        for r, (past_k, past_v) in enumerate(pasts):
+            rows = slice(r * b, (r + 1) * b)
+            keys, values = torch.cat([past_k, k[:, rows]], 1), torch.cat([past_v, v[:, rows]], 1)
+            outs.append(F.scaled_dot_product_attention(q[None, :, rows], keys[None], values[None], enable_gqa=True)[0])
+        return self.o_proj(torch.cat(outs, 1).transpose(0, 1).reshape(len(x), -1))
+
+
 class MLP(nn.Module):
     def __init__(self, spec: DrafterSpec) -> None:
         super().__init__()

@@ -189,16 +189,16 @@ class Engine:
     def _drafted_work(self, events: list[StepEvent]) -> list[_Work]:
         """Every decoding request's rows for this pass: its pending token and its draft (cut to its share
         of the budget under adaptive verification)."""
-        proposals = []
+        decoding = [(request_id, state) for request_id, state in self._running.items() if state.decoding]
         drafting = self._adaptive is None or self._adaptive.should_draft()
         started = time.perf_counter()
-        for request_id, state in list(self._running.items()):
-            if not state.decoding:
-                continue
-            try:
-                proposals.append((request_id, state, self._propose(state) if drafting else Draft([])))
-            except Exception as error:  # noqa: BLE001 - the drafter failed this request only
-                events.append(self._fail(request_id, state, error))
+        drafts = self._propose([state for _, state in decoding]) if drafting else [Draft([])] * len(decoding)
+        proposals = []
+        for (request_id, state), draft in zip(decoding, drafts, strict=True):
+            if isinstance(draft, Exception):  # the drafter failed this request only
+                events.append(self._fail(request_id, state, draft))
+            else:
+                proposals.append((request_id, state, draft))
         if self._adaptive is not None and drafting and proposals:
             self._adaptive.record_draft_time(time.perf_counter() - started)
             contexts = [len(state.seq.token_ids) - 1 for _, state, _ in proposals]  # cached positions
@@ -410,15 +410,28 @@ class Engine:
         self._cached_taps.pop(slot, None)
         self._last_use.pop(slot, None)
 
-    def _propose(self, state: _Running) -> Draft:
+    def _propose(self, states: list[_Running]) -> list[Draft | Exception]:
+        """Every decoding request's draft, in one drafter call (block drafters batch their passes); if that
+        call fails, each request is asked alone, so a failure costs only the request it belongs to."""
         # never draft past max_tokens: the pass emits accepted drafts + 1 target token
-        budget = min(self.config.num_speculative_tokens, state.request.max_tokens - state.emitted - 1)
-        if self.drafter is None or budget <= 0:
-            return Draft([])
+        budgets = [min(self.config.num_speculative_tokens, s.request.max_tokens - s.emitted - 1) for s in states]
+        if self.drafter is None or not any(b > 0 for b in budgets):
+            return [Draft([]) for _ in states]
         started = time.perf_counter()
-        draft = self.drafter.propose(state.seq, budget).cut(budget)
-        state.stats.draft_seconds += time.perf_counter() - started
-        return draft
+        try:
+            drafts: list[Draft | Exception] = list(self.drafter.propose_many([s.seq for s in states], budgets))
+        except Exception:  # noqa: BLE001 - find out which request it was
+            drafts = [self._propose_alone(s.seq, b) for s, b in zip(states, budgets, strict=True)]
+        share = (time.perf_counter() - started) / len(states)
+        for state in states:
+            state.stats.draft_seconds += share
+        return [d if isinstance(d, Exception) else d.cut(max(b, 0)) for d, b in zip(drafts, budgets, strict=True)]
+
+    def _propose_alone(self, seq: SequenceView, budget: int) -> Draft | Exception:
+        try:
+            return self.drafter.propose(seq, budget) if budget > 0 else Draft([])
+        except Exception as error:  # noqa: BLE001
+            return error
 
     @staticmethod
     def _verify(state: _Running, draft: Draft, logits: torch.Tensor) -> Verdict:

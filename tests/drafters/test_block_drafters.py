@@ -55,8 +55,8 @@ def test_engine_samples_the_targets_law_with_sampled_drafts(method, trained, tin
     joint = exact_joint(decoder, prompt, params)
     drafter = make_drafter(method, decoder, drafter_path=trained[method, 300])
     drafts_with_q = []
-    propose = drafter.propose
-    drafter.propose = lambda seq, k: drafts_with_q.append(propose(seq, k)) or drafts_with_q[-1]
+    propose_many = drafter.propose_many
+    drafter.propose_many = lambda seqs, ks: drafts_with_q.extend(propose_many(seqs, ks)) or drafts_with_q[-len(seqs):]
     engine = Engine(decoder, drafter, EngineConfig(2, 128, 16))
     results = engine.generate([Request(prompt, 3, SamplingParams(**PARAMS, seed=seed)) for seed in range(SAMPLES)])
     assert drafts_with_q and all(d.probs is not None for d in drafts_with_q if d.tokens)
@@ -132,3 +132,29 @@ def test_the_markov_walk_conditions_each_position_on_the_token_chosen_before_it(
     drafts = model.draft(torch.zeros(4, model.spec.hidden_size), int(model.d2t[3]), 0.0, torch.Generator())
     assert drafts.tokens == model.d2t[4:8].tolist()
     assert isinstance(model, DFlashModel) and drafts.calibrated
+
+
+@pytest.mark.parametrize("method", ["dflash", "dspark", "dflash2"])
+def test_one_batched_drafter_pass_drafts_what_separate_passes_draft(method, trained, tiny_target):
+    """propose_many runs every request's block through one pass (attention still per request): the same
+    drafts as one propose per request, for requests with contexts of different lengths."""
+    from specstand.drafters import HiddenRows, SequenceView
+
+    drafter = make_drafter(method, tiny_target.decoder, drafter_path=trained[method, 300])
+    torch.manual_seed(3)
+    seqs = []
+    for request_id, length in enumerate((9, 23, 15)):
+        seq = SequenceView(request_id, torch.randint(2, 90, (length,)).tolist(), length - 4)
+        drafter.begin(seq)
+        taps = {t: torch.randn(length - 1, 64) for t in drafter.tap_layers}
+        drafter.extend(seq, seq.token_ids[-1:], HiddenRows(0, taps))
+        seqs.append(seq)
+    budgets = [5, 0, 3]
+    batched = drafter.propose_many(seqs, budgets)
+    alone = [drafter.propose(seq, k) if k else None for seq, k in zip(seqs, budgets, strict=True)]
+    assert [len(d.tokens) for d in batched] == [5, 0, 3]
+    for many, one in zip(batched, alone, strict=True):
+        if one is not None:
+            assert many.tokens == one.tokens
+            torch.testing.assert_close(torch.tensor(many.confidence), torch.tensor(one.confidence),
+                                       atol=1e-4, rtol=1e-4)

@@ -37,11 +37,21 @@ class ChainModel(nn.Module):
     def features(self, taps: torch.Tensor) -> torch.Tensor:
         return taps if self.fc is None else self.fc(taps)
 
+    def _input(self, tokens: torch.Tensor, features: torch.Tensor) -> torch.Tensor:
+        layer = self.layers[0]
+        return torch.cat([layer.input_layernorm(self.target.embed(tokens)), self.hidden_norm(features)], dim=-1)
+
     def step(self, tokens: torch.Tensor, features: torch.Tensor, positions: torch.Tensor,
              bias: torch.Tensor | None, past: tuple | None) -> tuple[torch.Tensor, tuple]:
         layer = self.layers[0]
-        x = torch.cat([layer.input_layernorm(self.target.embed(tokens)), self.hidden_norm(features)], dim=-1)
-        attn, own = layer.self_attn(x, positions, bias, past)
+        attn, own = layer.self_attn(self._input(tokens, features), positions, bias, past)
+        return layer.mlp_block(features + attn), own
+
+    def step_many(self, tokens: torch.Tensor, features: torch.Tensor, positions: torch.Tensor,
+                  pasts: list[tuple]) -> tuple[torch.Tensor, tuple]:
+        """One drafting step of R requests at once (row r over its own `pasts[r]`)."""
+        layer = self.layers[0]
+        attn, own = layer.self_attn.attend_blocks(self._input(tokens, features), positions, pasts)
         return layer.mlp_block(features + attn), own
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -125,6 +135,35 @@ class ChainDrafter(Drafter):
             past = (torch.cat([past[0], own[0]], 1), torch.cat([past[1], own[1]], 1))
             position += 1
         return Draft(self.model.d2t[draft].tolist(), confidence=margins)
+
+    @torch.inference_mode()
+    def propose_many(self, seqs: list[SequenceView], max_tokens: list[int]) -> list[Draft]:
+        """Every ready request's chain advanced together: one head and one layer call per step for all."""
+        ready = [i for i, (seq, k) in enumerate(zip(seqs, max_tokens, strict=True))
+                 if k > 0 and self._last.get(seq.request_id) is not None]
+        if len(ready) <= 1:
+            return super().propose_many(seqs, max_tokens)
+        last = torch.cat([self._last[seqs[i].request_id] for i in ready])
+        pasts = [self._past[seqs[i].request_id] for i in ready]
+        positions = torch.tensor([len(seqs[i].token_ids) - 1 for i in ready])
+        steps = max(max_tokens[i] for i in ready)
+        chosen, margins = [], []
+        for step in range(steps):
+            logits = self.model.logits(last)
+            top2 = logits.topk(2, dim=-1).values
+            chosen.append(logits.argmax(-1))
+            margins.append(top2[:, 0] - top2[:, 1])
+            if step + 1 == steps:
+                break
+            last, (k, v) = self.model.step_many(self.model.d2t[chosen[-1]], last, positions, pasts)
+            pasts = [(torch.cat([pk, k[:, r : r + 1]], 1), torch.cat([pv, v[:, r : r + 1]], 1))
+                     for r, (pk, pv) in enumerate(pasts)]
+            positions = positions + 1
+        tokens, margins = self.model.d2t[torch.stack(chosen, 1)].tolist(), torch.stack(margins, 1).tolist()
+        drafts = [Draft([]) for _ in seqs]
+        for r, i in enumerate(ready):
+            drafts[i] = Draft(tokens[r][: max_tokens[i]], confidence=margins[r][: max_tokens[i]])
+        return drafts
 
     def end(self, seq: SequenceView) -> None:
         self._past.pop(seq.request_id, None)

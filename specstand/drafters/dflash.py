@@ -79,7 +79,7 @@ class DFlashModel(nn.Module):
         """`block_hidden` of several requests' blocks in one pass, block r over its own per-layer context
         `pasts[r]`: the projections and MLPs run once for every row."""
         return self._layers(block_tokens,
-                            lambda i, layer, x: layer.self_attn.attend_blocks(x, positions, [p[i] for p in pasts]))
+                            lambda i, layer, x: layer.self_attn.attend_blocks(x, positions, [p[i] for p in pasts])[0])
 
     def training_hidden(self, taps: torch.Tensor, tokens: torch.Tensor, positions: torch.Tensor,
                         docs: torch.Tensor, anchors: torch.Tensor) -> torch.Tensor:

@@ -120,9 +120,11 @@ class Attention(nn.Module):
         return self.o_proj(out.transpose(0, 1).reshape(len(x), -1)), own
 
 
-    def attend_blocks(self, x: torch.Tensor, positions: torch.Tensor, pasts: list[tuple]) -> torch.Tensor:
+    def attend_blocks(self, x: torch.Tensor, positions: torch.Tensor, pasts: list[tuple]
+                      ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
         """Rows x [R * B, input]: R blocks of B rows, block r attending over its own `pasts[r]` keys/values
-        and its own rows (non-causal). One projection for all rows; attention per block."""
+        and its own rows (non-causal). One projection for all rows; attention per block. Returns the
+        output and the rows' own keys/values."""
         q = rope(self._heads(x, self.q_proj, self.q_norm), positions, self.spec.rope_theta)
         k, v = self.keys_values(x, positions)
         b = len(x) // len(pasts)
@@ -131,7 +133,7 @@ class Attention(nn.Module):
             rows = slice(r * b, (r + 1) * b)
             keys, values = torch.cat([past_k, k[:, rows]], 1), torch.cat([past_v, v[:, rows]], 1)
             outs.append(F.scaled_dot_product_attention(q[None, :, rows], keys[None], values[None], enable_gqa=True)[0])
-        return self.o_proj(torch.cat(outs, 1).transpose(0, 1).reshape(len(x), -1))
+        return self.o_proj(torch.cat(outs, 1).transpose(0, 1).reshape(len(x), -1)), (k, v)
 
 
 class MLP(nn.Module):

@@ -134,10 +134,10 @@ def test_the_markov_walk_conditions_each_position_on_the_token_chosen_before_it(
     assert isinstance(model, DFlashModel) and drafts.calibrated
 
 
-@pytest.mark.parametrize("method", ["dflash", "dspark", "dflash2"])
+@pytest.mark.parametrize("method", ["dflash", "dspark", "dflash2", "eagle3", "mtp"])
 def test_one_batched_drafter_pass_drafts_what_separate_passes_draft(method, trained, tiny_target):
-    """propose_many runs every request's block through one pass (attention still per request): the same
-    drafts as one propose per request, for requests with contexts of different lengths."""
+    """propose_many runs every request's block (or chain step) through one pass, attention still per
+    request: the same drafts as one propose per request, for requests with contexts of different lengths."""
     from specstand.drafters import HiddenRows, SequenceView
 
     drafter = make_drafter(method, tiny_target.decoder, drafter_path=trained[method, 300])

@@ -92,7 +92,8 @@ def build_parser() -> argparse.ArgumentParser:
                        help="also serve every drafted method with adaptive verification (as METHOD+adaptive)")
     bench.add_argument("--speculative-config", action="append", default=[],
                        help="also serve a target configured by vLLM's JSON (repeatable; needs --model)")
-    bench.add_argument("--k", type=int, default=None, help="draft tokens per pass (default 5; DFlash: block - 1)")
+    bench.add_argument("--k", type=int, default=None,
+                       help="draft tokens per pass (default 5; block drafters: the drafts of one block)")
     bench.add_argument("--dtype", default="bf16", choices=["bf16", "fp32"])
     bench.add_argument("--max-seq-len", type=int, default=None,
                        help="context of each specstand server (default: the workload's longest call needs)")

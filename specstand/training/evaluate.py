@@ -169,7 +169,11 @@ def write_card(folder: Path, figures: list[KEvaluation], command: str) -> None:
         f"- Shapes: {spec.num_layers} layer(s), hidden {spec.hidden_size}, heads {spec.num_heads}/{spec.num_kv_heads}"
         f" (q/kv), MLP {spec.intermediate_size}, draft vocabulary {spec.draft_vocab_size} of {spec.target_vocab_size}"
         f", target layers read {spec.tap_layers} (HF hidden_states index)"
-        + (f", block {spec.block_size}" if spec.block_size else f", {spec.train_steps} training-time-test steps"),
+        + (f", block {spec.block_size}" if spec.block_size else f", {spec.train_steps} training-time-test steps")
+        + (f", Markov rank {spec.markov_rank}, confidence head {'on' if spec.enable_confidence_head else 'off'}"
+           if spec.method == "dspark" else "")
+        + (f", {spec.conv_kernel_size}-tap convolutions, selector rank {spec.selector_rank} over the top "
+           f"{spec.selector_top_k}" if spec.method == "dflash2" else ""),
         f"- Weights: {sum(t.numel() for k, t in tensors.items() if k != 'd2t') / 1e6:.1f} M parameters, bf16,"
         f" {size_mb:.1f} MB (the target's embedding and head are borrowed, not stored)",
         f"- Data: the target's own {data.get('temperature', 0) and 'sampled' or 'greedy'} answers to"

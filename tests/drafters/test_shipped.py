@@ -1,5 +1,5 @@
 """The drafters shipped in drafters/<model>/<method>/: readable, the method their folder says, within the
-size budget (30 MB each, 150 MB in all), each with a model card."""
+size budget (30 MB each, 200 MB in all), each with a model card."""
 
 from __future__ import annotations
 
@@ -19,4 +19,4 @@ def test_shipped_drafters_are_complete_and_within_budget():
         assert "Held-out calls" in (folder / "README.md").read_text()
         assert len(tensors["d2t"]) == spec.draft_vocab_size
         assert shipped_drafter(spec.target, spec.method) == folder
-    assert total <= 150e6
+    assert total <= 200e6

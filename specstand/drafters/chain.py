@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from specstand.drafters.base import Draft, Drafter, HiddenRows, SequenceView
-from specstand.drafters.nn import DecoderLayer, DrafterSpec, RMSNorm
+from specstand.drafters.nn import DecoderLayer, DrafterSpec, RMSNorm, draw_drafts
 from specstand.drafters.target_parts import TargetParts
 
 
@@ -95,9 +95,20 @@ class ChainDrafter(Drafter):
         self.tap_layers = tuple(model.spec.tap_layers)
         self._past: dict[int, tuple | None] = {}
         self._last: dict[int, torch.Tensor] = {}  # request -> output of its last real row
+        self._generators: dict[int, torch.Generator] = {}  # sampled drafts: a stream per request
 
     def begin(self, seq: SequenceView) -> None:
         self._past[seq.request_id] = None
+        self._generators[seq.request_id] = torch.Generator().manual_seed(seq.request_id)
+
+    def _choose(self, logits: torch.Tensor, seq: SequenceView) -> tuple[int, torch.Tensor | None]:
+        """The next draft id from logits [1, draft vocab]: argmax, or a draw from softmax(logits / T)
+        with its q over the target's vocabulary when the request samples."""
+        if seq.temperature <= 0:
+            return int(logits.argmax(-1)), None
+        drawn, q = draw_drafts(logits, seq.temperature, self._generators[seq.request_id], self.model.d2t,
+                               self.model.spec.target_vocab_size)
+        return int(drawn[0]), q[0]
 
     @torch.inference_mode()
     def extend(self, seq: SequenceView, new_tokens: list[int], hidden: HiddenRows | None = None) -> None:
@@ -121,12 +132,14 @@ class ChainDrafter(Drafter):
         if last is None or max_tokens <= 0:
             return Draft([])
         past = self._past[seq.request_id]
-        draft, margins = [], []
+        draft, margins, probs = [], [], []
         position = len(seq.token_ids) - 1
         while True:
             logits = self.model.logits(last)
             top2 = logits.topk(2, dim=-1).values[0]  # its margin: confidence for adaptive verification
-            draft.append(int(logits.argmax(-1)))
+            choice, q = self._choose(logits, seq)
+            draft.append(choice)
+            probs.append(q)
             margins.append(float(top2[0] - top2[1]))
             if len(draft) == max_tokens:
                 break
@@ -134,7 +147,7 @@ class ChainDrafter(Drafter):
             last, own = self.model.step(token, last, torch.tensor([position]), None, past)
             past = (torch.cat([past[0], own[0]], 1), torch.cat([past[1], own[1]], 1))
             position += 1
-        return Draft(self.model.d2t[draft].tolist(), confidence=margins)
+        return Draft(self.model.d2t[draft].tolist(), None if probs[0] is None else torch.stack(probs), margins)
 
     @torch.inference_mode()
     def propose_many(self, seqs: list[SequenceView], max_tokens: list[int]) -> list[Draft]:
@@ -147,11 +160,16 @@ class ChainDrafter(Drafter):
         pasts = [self._past[seqs[i].request_id] for i in ready]
         positions = torch.tensor([len(seqs[i].token_ids) - 1 for i in ready])
         steps = max(max_tokens[i] for i in ready)
-        chosen, margins = [], []
+        chosen, margins, probs = [], [], [[] for _ in ready]
         for step in range(steps):
             logits = self.model.logits(last)
             top2 = logits.topk(2, dim=-1).values
-            chosen.append(logits.argmax(-1))
+            choice = logits.argmax(-1)
+            for r, i in enumerate(ready):
+                if seqs[i].temperature > 0:
+                    choice[r], q = self._choose(logits[r : r + 1], seqs[i])
+                    probs[r].append(q)
+            chosen.append(choice)
             margins.append(top2[:, 0] - top2[:, 1])
             if step + 1 == steps:
                 break
@@ -162,9 +180,11 @@ class ChainDrafter(Drafter):
         tokens, margins = self.model.d2t[torch.stack(chosen, 1)].tolist(), torch.stack(margins, 1).tolist()
         drafts = [Draft([]) for _ in seqs]
         for r, i in enumerate(ready):
-            drafts[i] = Draft(tokens[r][: max_tokens[i]], confidence=margins[r][: max_tokens[i]])
+            k = max_tokens[i]
+            drafts[i] = Draft(tokens[r][:k], torch.stack(probs[r][:k]) if probs[r] else None, margins[r][:k])
         return drafts
 
     def end(self, seq: SequenceView) -> None:
         self._past.pop(seq.request_id, None)
         self._last.pop(seq.request_id, None)
+        self._generators.pop(seq.request_id, None)

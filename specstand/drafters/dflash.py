@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 from specstand.drafters.base import Draft, Drafter, HiddenRows, SequenceView
-from specstand.drafters.nn import DecoderLayer, DrafterSpec, RMSNorm, document_bias
+from specstand.drafters.nn import DecoderLayer, DrafterSpec, RMSNorm, document_bias, draw_drafts
 from specstand.drafters.target_parts import TargetParts
 
 
@@ -107,11 +107,16 @@ class DFlashModel(nn.Module):
 
     @torch.no_grad()
     def draft(self, hidden: torch.Tensor, anchor: int, temperature: float, generator: torch.Generator) -> Draft:
-        """Draft tokens from the draft rows' hidden states [n, H]: each position's argmax (one-hot q even
-        when sampling: lossless all the same), with the top-1 minus top-2 logit margin as confidence."""
+        """Draft tokens from the draft rows' hidden states [n, H]: each position's argmax, or when sampling
+        an independent draw from softmax(logits / T) with that q; the top-1 minus top-2 logit margin as
+        confidence."""
         logits = self.target.head(hidden)
         top2 = logits.topk(2, dim=-1).values
-        return Draft(self.d2t[logits.argmax(-1)].tolist(), confidence=(top2[:, 0] - top2[:, 1]).tolist())
+        margins = (top2[:, 0] - top2[:, 1]).tolist()
+        if temperature > 0:
+            drawn, q = draw_drafts(logits, temperature, generator, self.d2t, self.spec.target_vocab_size)
+            return Draft(self.d2t[drawn].tolist(), q, margins)
+        return Draft(self.d2t[logits.argmax(-1)].tolist(), confidence=margins)
 
 
 class DFlashDrafter(Drafter):

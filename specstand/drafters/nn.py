@@ -175,3 +175,13 @@ def document_bias(query_docs: torch.Tensor, key_docs: torch.Tensor, visible: tor
     """Additive mask: 0 where `visible` and both rows belong to the same packed document, else -inf."""
     allowed = visible & (query_docs[:, None] == key_docs[None, :])
     return torch.zeros(allowed.shape).masked_fill(~allowed, float("-inf"))
+
+
+def draw_drafts(logits: torch.Tensor, temperature: float, generator: torch.Generator, draft_to_target: torch.Tensor,
+                vocab_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Independent draws from softmax(logits / T) per row ([n, draft vocab]): the drawn draft ids [n] and
+    q [n, vocab_size] scattered onto the target's vocabulary (what the rejection rule needs)."""
+    q = torch.softmax(logits.float() / temperature, -1)
+    drawn = torch.multinomial(q, 1, generator=generator).squeeze(-1)
+    full = torch.zeros(len(q), vocab_size).index_copy_(1, draft_to_target, q)
+    return drawn, full

@@ -45,7 +45,7 @@ def test_sampled_drafts_carry_proper_distributions(method, trained, tiny_target)
     assert greedy.probs is None and len(greedy.tokens) == model.num_drafts
 
 
-@pytest.mark.parametrize("method", ["dspark", "dflash2"])
+@pytest.mark.parametrize("method", ["dflash", "dspark", "dflash2", "eagle3", "mtp"])
 def test_engine_samples_the_targets_law_with_sampled_drafts(method, trained, tiny_target, tiny_data):
     """The chi-square test of tests/engine/test_sampling.py with a trained drafter whose drafts are
     drawn from its own q (not one-hot): the rejection rule with that q must still give the target's law."""
@@ -60,7 +60,8 @@ def test_engine_samples_the_targets_law_with_sampled_drafts(method, trained, tin
     engine = Engine(decoder, drafter, EngineConfig(2, 128, 16))
     results = engine.generate([Request(prompt, 3, SamplingParams(**PARAMS, seed=seed)) for seed in range(SAMPLES)])
     assert drafts_with_q and all(d.probs is not None for d in drafts_with_q if d.tokens)
-    assert sum(r.stats.accepted_tokens for r in results) > SAMPLES // 10  # verification was exercised
+    # verification was exercised (a drawn draft lands outside the target's top-k more often than an argmax)
+    assert sum(r.stats.accepted_tokens for r in results) > SAMPLES // 20
     assert_follows_the_joint_law([r.output_ids for r in results], joint)
 
 

@@ -131,8 +131,8 @@ def tiny_data(tiny_target, tmp_path_factory: pytest.TempPathFactory) -> Path:
     return folder
 
 
-# steps of the long training run of each method on the tiny target's answers
-TRAINED_STEPS = {"dflash": 300, "dspark": 300, "dflash2": 300, "eagle3": 300, "mtp": 300}
+# steps of the long training run of every method on the tiny target's answers
+LONG_RUN = 300
 
 
 class TrainedDrafters:

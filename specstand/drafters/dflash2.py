@@ -26,7 +26,7 @@ from torch import nn
 from specstand.drafters.base import Draft
 from specstand.drafters.dflash import DFlashModel
 from specstand.drafters.dspark import draft_rows_of
-from specstand.drafters.nn import DrafterSpec
+from specstand.drafters.nn import DrafterSpec, draw_drafts
 from specstand.drafters.target_parts import TargetParts
 
 
@@ -106,10 +106,11 @@ class DFlash2Model(DFlashModel):
         tokens, probs, confidence = [], [], []
         for k in range(len(hidden)):
             edges = self.candidate_selector.edge_scores(scores_k[k], ids_k[k], hidden[k], self.prev_rows[prev])
-            if temperature > 0:
-                q = torch.softmax(edges / temperature, -1)
-                pick = int(torch.multinomial(q, 1, generator=generator))
-                probs.append(torch.zeros(self.spec.target_vocab_size).index_put_((self.d2t[ids_k[k]],), q))
+            if temperature > 0:  # q lives on the candidates
+                drawn, q = draw_drafts(edges[None], temperature, generator, self.d2t[ids_k[k]],
+                                       self.spec.target_vocab_size)
+                pick = int(drawn[0])
+                probs.append(q[0])
             else:
                 pick = int(edges.argmax())
             prev = self.d2t[ids_k[k, pick]]

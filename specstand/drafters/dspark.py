@@ -21,7 +21,7 @@ from torch import nn
 
 from specstand.drafters.base import Draft
 from specstand.drafters.dflash import DFlashModel
-from specstand.drafters.nn import DrafterSpec
+from specstand.drafters.nn import DrafterSpec, draw_drafts
 from specstand.drafters.target_parts import TargetParts
 
 
@@ -88,9 +88,9 @@ class DSparkModel(DFlashModel):
             bias, embedding = self.markov_head(self.prev_rows[prev])
             logits = unary[k] + bias
             if temperature > 0:
-                q = torch.softmax(logits / temperature, -1)
-                choice = int(torch.multinomial(q, 1, generator=generator))
-                probs.append(torch.zeros(self.spec.target_vocab_size).index_put_((self.d2t,), q))
+                drawn, q = draw_drafts(logits[None], temperature, generator, self.d2t, self.spec.target_vocab_size)
+                choice = int(drawn[0])
+                probs.append(q[0])
             else:
                 choice = int(logits.argmax())
             prev = self.d2t[choice]

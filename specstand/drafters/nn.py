@@ -179,8 +179,9 @@ def document_bias(query_docs: torch.Tensor, key_docs: torch.Tensor, visible: tor
 
 def draw_drafts(logits: torch.Tensor, temperature: float, generator: torch.Generator, draft_to_target: torch.Tensor,
                 vocab_size: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Independent draws from softmax(logits / T) per row ([n, draft vocab]): the drawn draft ids [n] and
-    q [n, vocab_size] scattered onto the target's vocabulary (what the rejection rule needs)."""
+    """Independent draws from softmax(logits / T) per row (logits [n, columns], `draft_to_target` the target
+    id of each column: the draft vocabulary, or a row's candidates): the drawn columns [n] and q
+    [n, vocab_size] scattered onto the target's vocabulary (what the rejection rule needs)."""
     q = torch.softmax(logits.float() / temperature, -1)
     drawn = torch.multinomial(q, 1, generator=generator).squeeze(-1)
     full = torch.zeros(len(q), vocab_size).index_copy_(1, draft_to_target, q)

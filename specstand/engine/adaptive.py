@@ -42,10 +42,11 @@ class AcceptanceModel:
 
     def probabilities(self, confidence: list[float], calibrated: bool = False) -> np.ndarray:
         if self._weights is None:
-            return _sigmoid(np.asarray(confidence, dtype=np.float64)) if calibrated else np.full(len(confidence),
-                                                                                                 self.prior)
+            if calibrated:
+                return sigmoid(np.asarray(confidence, dtype=np.float64))
+            return np.full(len(confidence), self.prior)
         x = self._design(np.asarray(confidence, dtype=np.float64), np.arange(len(confidence), dtype=np.float64))
-        return _sigmoid(x @ self._weights)
+        return sigmoid(x @ self._weights)
 
     def observe(self, confidence: list[float], drafted: int, accepted: int, calibrated: bool = False) -> None:
         """A verified draft of `drafted` tokens had its first `accepted` accepted: positions up to the first
@@ -72,7 +73,7 @@ class AcceptanceModel:
         start = np.array([0.0, 1.0, 0.0]) if self._calibrated else np.zeros(3)
         w = start if self._weights is None else self._weights.copy()
         for _ in range(8):  # Newton's method on the L2-regularised log loss
-            p = _sigmoid(x @ w)
+            p = sigmoid(x @ w)
             gradient = x.T @ (p - labels) + self.l2 * w
             hessian = (x * (p * (1 - p))[:, None]).T @ x + self.l2 * np.eye(3)
             w -= np.linalg.solve(hessian, gradient)
@@ -194,7 +195,7 @@ class AdaptiveVerifier:
             self.acceptance.observe(_confidence(draft), len(draft.tokens), accepted, draft.calibrated)
 
 
-def _sigmoid(z: np.ndarray) -> np.ndarray:
+def sigmoid(z: np.ndarray) -> np.ndarray:
     return np.exp(-np.logaddexp(0.0, -z))  # never overflows, however large a logit margin gets
 
 

@@ -11,7 +11,6 @@ acceptance beside the observed one (positions judged only, i.e. every earlier on
 
 from __future__ import annotations
 
-import math
 import statistics
 import time
 from dataclasses import asdict, dataclass
@@ -22,6 +21,7 @@ import torch
 from specstand.drafters import Draft, Drafter, SequenceView, make_drafter
 from specstand.drafters.trained import read_drafter, read_spec
 from specstand.engine import DecodeStats, Engine, EngineConfig, Request
+from specstand.engine.adaptive import sigmoid
 from specstand.models import LoadedModel
 from specstand.runner import PassInput, TargetRunner
 from specstand.training.data import TrainRow
@@ -73,7 +73,7 @@ class _TimedDrafter(Drafter):
         if draft is not None:  # greedy: the accepted drafts, then the target's own token
             accepted = len(new_tokens) - 1
             for i in range(min(len(draft.tokens), accepted + 1)):
-                self.judged.append((i, 1 / (1 + math.exp(-draft.confidence[i])), i < accepted))
+                self.judged.append((i, float(sigmoid(draft.confidence[i])), i < accepted))
         started = time.perf_counter()
         self.inner.extend(seq, new_tokens, hidden)
         if seq.output_ids != new_tokens:  # the prompt's rows are prefill work, not per-step work

@@ -18,12 +18,13 @@ from specstand.engine import Engine, EngineConfig, Request
 from specstand.training.data import load_rows
 from specstand.training.losses import acceptance_rate, dspark_loss
 from specstand.verification import SamplingParams
+from tests.conftest import LONG_RUN
 from tests.engine.test_sampling import PARAMS, SAMPLES, assert_follows_the_joint_law, exact_joint
 
 
 def _model(trained, target, method: str):
     weights = target.decoder.weights
-    return load_drafter_model(trained[method, 300], weights.embed_tokens, weights.lm_head)
+    return load_drafter_model(trained[method, LONG_RUN], weights.embed_tokens, weights.lm_head)
 
 
 @pytest.mark.parametrize("method", ["dspark", "dflash2"])
@@ -53,7 +54,7 @@ def test_engine_samples_the_targets_law_with_sampled_drafts(method, trained, tin
     prompt = next(r.prompt_ids for r in load_rows(tiny_data)[1] if r.split == "train")
     params = SamplingParams(**PARAMS)
     joint = exact_joint(decoder, prompt, params)
-    drafter = make_drafter(method, decoder, drafter_path=trained[method, 300])
+    drafter = make_drafter(method, decoder, drafter_path=trained[method, LONG_RUN])
     drafts_with_q = []
     propose_many = drafter.propose_many
     drafter.propose_many = lambda seqs, ks: drafts_with_q.extend(propose_many(seqs, ks)) or drafts_with_q[-len(seqs):]
@@ -141,7 +142,7 @@ def test_one_batched_drafter_pass_drafts_what_separate_passes_draft(method, trai
     request: the same drafts as one propose per request, for requests with contexts of different lengths."""
     from specstand.drafters import HiddenRows, SequenceView
 
-    drafter = make_drafter(method, tiny_target.decoder, drafter_path=trained[method, 300])
+    drafter = make_drafter(method, tiny_target.decoder, drafter_path=trained[method, LONG_RUN])
     torch.manual_seed(3)
     seqs = []
     for request_id, length in enumerate((9, 23, 15)):

@@ -14,6 +14,7 @@ from specstand.engine import DecodeStats, Engine, EngineConfig, Request
 from specstand.interop.speculators import export_speculators, import_dflash_zlab, import_speculators
 from specstand.training.data import load_rows
 from specstand.training.trainer import TrainConfig, train
+from tests.conftest import LONG_RUN
 
 
 @pytest.fixture(scope="module")
@@ -114,7 +115,7 @@ def test_import_follows_the_checkpoints_block_layout(method, trained, tiny_targe
     """DSpark exports say sample_from_anchor=true (the anchor row drafts first), DFlash ones false; the
     import honours the flag both ways: read right, the drafter drafts exactly as before; read one slot
     off, it drafts differently, and DFlash (no Markov head to lean on) gets few drafts right."""
-    original = trained[method, 300]
+    original = trained[method, LONG_RUN]
     exported = tmp_path / "speculators"
     export_speculators(original, tiny_target, exported)
     config = json.loads((exported / "config.json").read_text())

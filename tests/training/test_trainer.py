@@ -18,8 +18,7 @@ from specstand.training.losses import dpace_weights, target_to_draft
 from specstand.training.objectives import BLOCK_OBJECTIVES, chain_objective
 from specstand.training.trainer import TRAINER_STATE, TrainConfig, train
 from specstand.verification import SamplingParams
-from tests.conftest import FORWARDS, tiny_decoder
-from tests.conftest import TRAINED_STEPS as STEPS
+from tests.conftest import FORWARDS, LONG_RUN, tiny_decoder
 
 
 def _loss(folder: Path, target, data: Path) -> float:
@@ -41,7 +40,7 @@ def _loss(folder: Path, target, data: Path) -> float:
 @pytest.mark.parametrize("method", list(TRAINED))
 def test_loss_falls(method, trained, tiny_target, tiny_data):
     before = _loss(trained[method, 1], tiny_target, tiny_data)
-    after = _loss(trained[method, STEPS[method]], tiny_target, tiny_data)
+    after = _loss(trained[method, LONG_RUN], tiny_target, tiny_data)
     assert after < 0.75 * before, (before, after)
 
 
@@ -52,7 +51,7 @@ def _requests(data: Path, target) -> list[Request]:
 
 @pytest.mark.parametrize("method", list(TRAINED))
 def test_copying_a_deterministic_target_reaches_high_acceptance(method, trained, tiny_target, tiny_data):
-    drafter = make_drafter(method, tiny_target.decoder, drafter_path=trained[method, STEPS[method]])
+    drafter = make_drafter(method, tiny_target.decoder, drafter_path=trained[method, LONG_RUN])
     engine = Engine(tiny_target.decoder, drafter, EngineConfig(5, 512, 2))
     stats = DecodeStats()
     for result in engine.generate(_requests(tiny_data, tiny_target)):
@@ -68,7 +67,7 @@ def test_engine_is_token_identical_with_trained_drafters(method, dtype, forward,
     decoder = tiny_decoder("llama", dtype, 512, forward)  # the same weights as the saved tiny model
     requests = _requests(tiny_data, tiny_target)
     plain = Engine(decoder, None, EngineConfig(5, 512, 3)).generate(requests)
-    for steps in (1, STEPS[method]):  # a poor and a good drafter
+    for steps in (1, LONG_RUN):  # a poor and a good drafter
         drafter = make_drafter(method, decoder, drafter_path=trained[method, steps])
         drafted = Engine(decoder, drafter, EngineConfig(5, 512, 3)).generate(requests)
         assert [r.output_ids for r in drafted] == [r.output_ids for r in plain]

@@ -37,10 +37,7 @@ PROMPT = "Return a JSON object with the keys name, city and age for a 30-year-ol
 def weight_bytes_and_macs(runner: TargetRunner) -> tuple[int, int]:
     """Bytes of the weight matrices a decode pass reads (every layer's linears and the head; norms and the
     looked-up embedding rows add well under 1%) and its multiply-accumulates per row (linears only)."""
-    w = runner.model.weights
-    matrices = [t for layer in w.layers for t in (layer.qkv, layer.o_proj, layer.gate_up, layer.down)]
-    matrices.append(w.lm_head)
-    macs = sum(t.numel() for t in matrices)
+    macs = sum(t.numel() for t in runner.model.linear_weights())
     return macs * 2, macs  # bf16: two bytes a weight
 
 
@@ -188,7 +185,8 @@ def main() -> None:
             say(f"{rows:4d} | {split['linear'] * 1e3:10.1f} | {split['attention'] * 1e3:12.1f} | "
                 f"{split['head'] * 1e3:7.1f} | {split['other'] * 1e3:7.1f}")
     say()
-    prompt_ids = loaded.encode_messages([{"role": "user", "content": PROMPT}])
+    chat = getattr(loaded.tokenizer, "chat_template", None)  # a base model (gemma3-270m) takes the plain text
+    prompt_ids = loaded.encode_messages([{"role": "user", "content": PROMPT}]) if chat else loaded.encode_prompt(PROMPT)
     prompt = (prompt_ids * 8)[:512]
     rates = {}
     for name, compiled_prompts in (("compiled", True), ("torch", False)):

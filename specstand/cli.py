@@ -238,6 +238,8 @@ def cmd_generate(args: argparse.Namespace) -> None:
     args.k = default_k(drafter, args.k)
     config = EngineConfig(num_speculative_tokens=args.k, max_seq_len=model.max_positions, adaptive=args.adaptive)
     engine = Engine(model.decoder, drafter, config)
+    if not engine.exact:
+        _log(f"{args.model}: not exact here (pass shapes round differently): drafts may change greedy answers")
     request = Request(prompt_ids, args.max_tokens, sampling, model.stop_token_ids)
     engine.add_request(request)  # validates the length before any work
     started = time.perf_counter()
@@ -248,6 +250,7 @@ def cmd_generate(args: argparse.Namespace) -> None:
         "method": args.method,
         "k": args.k,
         "adaptive": args.adaptive,
+        "exact": engine.exact,
         "text": model.decode(result.output_ids),
         "token_ids": result.output_ids,
         "prompt_tokens": len(prompt_ids),
@@ -339,6 +342,8 @@ def cmd_serve(args: argparse.Namespace) -> None:
                           args.model, args.drafter, args.ngram, limits, args.adaptive)
     app, worker = build_server(model, config)
     adaptive = ", adaptive verification" if args.adaptive else ""
+    if not worker.engine.exact:
+        _log(f"{args.model}: not exact here (pass shapes round differently): drafts may change greedy answers")
     _log(f"serving {args.model} with method {args.method} (K={worker.engine.config.num_speculative_tokens}"
          f"{adaptive}) on http://{args.host}:{args.port}")
     try:

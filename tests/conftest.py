@@ -8,11 +8,17 @@ from pathlib import Path
 import pytest
 import torch
 from transformers import (
+    Gemma3ForCausalLM,
+    Gemma3TextConfig,
+    Lfm2Config,
+    Lfm2ForCausalLM,
     LlamaConfig,
     LlamaForCausalLM,
     PreTrainedTokenizerFast,
     Qwen2Config,
     Qwen2ForCausalLM,
+    Qwen3_5ForCausalLM,
+    Qwen3_5TextConfig,
     Qwen3Config,
     Qwen3ForCausalLM,
 )
@@ -21,6 +27,7 @@ from specstand import kernels
 from specstand.engine.adaptive import PassCost
 from specstand.models import load_model
 from specstand.runner.compiled import attach_compiled
+from specstand.runner.hybrid import HybridModel
 from specstand.runner.transformer import DecoderModel
 from specstand.training.data import generate_rows, save_rows
 from specstand.training.trainer import TrainConfig, train
@@ -91,17 +98,19 @@ def random_prompts(count: int, length: int, seed: int, alphabet: int = 12) -> li
     return [(torch.randint(2, 2 + alphabet, (length,), generator=generator)).tolist() for _ in range(count)]
 
 
-def save_tiny_model(folder: Path, family: str = "llama") -> Path:
-    """A loadable HF folder: tiny model + a word-level tokenizer with a chat template."""
+def save_tiny_model(folder: Path, family: str = "llama", chat_template: bool = True) -> Path:
+    """A loadable HF folder: tiny model + a word-level tokenizer (with a chat template unless told not:
+    a base model's)."""
     from tokenizers import Tokenizer, models, pre_tokenizers
 
-    model = tiny_hf_model(family)
+    model = tiny_hybrid_hf_model(family) if family in HYBRID_FAMILIES else tiny_hf_model(family)
     model.save_pretrained(folder)
     words = ["<s>", "</s>", "<unk>"] + [f"w{i}" for i in range(VOCAB - 3)]
     tokenizer = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
     tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
     fast = PreTrainedTokenizerFast(tokenizer_object=tokenizer, bos_token="<s>", eos_token="</s>", unk_token="<unk>")
-    fast.chat_template = "{% for m in messages %}{{ m['content'] }} {% endfor %}"
+    if chat_template:
+        fast.chat_template = "{% for m in messages %}{{ m['content'] }} {% endfor %}"
     fast.save_pretrained(folder)
     (folder / "generation_config.json").write_text(json.dumps({"eos_token_id": 1, "bos_token_id": 0}))
     return folder
@@ -154,3 +163,41 @@ class TrainedDrafters:
 @pytest.fixture(scope="session")
 def trained(tiny_target, tiny_data, tmp_path_factory) -> TrainedDrafters:
     return TrainedDrafters(tiny_target, tiny_data, tmp_path_factory.mktemp("trained"))
+
+
+# Hybrid families (runner/hybrid.py): sliding-window attention, short convolutions, gated delta rule.
+# Four layers, so recurrent and attention layers alternate; Gemma's window is short enough for prompts
+# to slide past it.
+HYBRID_COMMON = dict(
+    vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
+    num_key_value_heads=2, max_position_embeddings=1024, head_dim=16, eos_token_id=1, bos_token_id=0,
+)
+HYBRID_FAMILIES = {
+    "gemma3": (Gemma3ForCausalLM, lambda: Gemma3TextConfig(
+        **{**HYBRID_COMMON, "num_key_value_heads": 1}, sliding_window=8, query_pre_attn_scalar=16,
+        layer_types=["sliding_attention", "sliding_attention", "full_attention", "sliding_attention"])),
+    "lfm2": (Lfm2ForCausalLM, lambda: Lfm2Config(
+        **{k: v for k, v in HYBRID_COMMON.items() if k != "head_dim"},
+        layer_types=["conv", "full_attention", "conv", "conv"],
+        initializer_range=0.1)),  # at 0.02 this twin answers one token forever
+    "qwen3_5": (Qwen3_5ForCausalLM, lambda: Qwen3_5TextConfig(
+        **HYBRID_COMMON, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,
+        linear_value_head_dim=16, layer_types=["linear_attention", "full_attention", "linear_attention",
+                                               "linear_attention"])),
+}
+RECURRENT_FAMILIES = ("lfm2", "qwen3_5")  # the ones with state a length-based rollback cannot undo
+
+
+def tiny_hybrid_hf_model(family: str, dtype: torch.dtype = torch.float32, seed: int = 0) -> torch.nn.Module:
+    cls, make_config = HYBRID_FAMILIES[family]
+    torch.manual_seed(seed)
+    model = cls(make_config()).eval()
+    with torch.no_grad():  # norms start at 0 or 1: make them matter
+        for name, parameter in model.named_parameters():
+            if "norm" in name:
+                parameter.add_(torch.randn_like(parameter) * 0.2)
+    return model.to(dtype)
+
+
+def tiny_hybrid(family: str, dtype: torch.dtype = torch.float32, max_positions: int = 512) -> HybridModel:
+    return HybridModel(tiny_hybrid_hf_model(family, dtype), max_positions)

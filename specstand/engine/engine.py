@@ -100,11 +100,14 @@ class Engine:
         self.width = config.num_speculative_tokens + 1
         self.tap_layers = drafter.tap_layers if drafter is not None else ()
         self.row_unit = row_unit(self.runner, self.width) if config.exact else 1
-        if self.row_unit == 0:
+        # whether greedy answers are guaranteed token-identical to plain decoding
+        self.exact = config.exact and self.row_unit != 0
+        if self.row_unit == 0 and model.exact_by_design:
             raise ExactnessError(
                 "this machine's kernels round differently for different pass shapes even when padded; "
                 "exact greedy decoding is not possible here (run without exact mode)"
             )
+        self.row_unit = self.row_unit or 1  # the fallback forward runs on, not exact, and says so
         # Prefix reuse. Where prompt rows compute exactly as decode rows (the compiled forward takes prompts),
         # any cached head is reusable, a finished request's answer included; elsewhere only whole prefill
         # blocks of a prompt are (decode passes round differently from torch's prompt GEMMs).
@@ -307,7 +310,7 @@ class Engine:
         slot = self.runner.cache.allocate()
 
         def run_pass(rows: int, cached: int) -> None:  # what the cache holds does not change the time
-            self.runner.cache.rollback(slot, cached)
+            self.runner.cache.set_length_for_timing(slot, cached)
             self.runner.run([PassInput(slot, [0] * rows)], -(-rows // self.row_unit) * self.row_unit)
 
         try:
@@ -388,7 +391,8 @@ class Engine:
         prompt token: its logits are needed; whole prefill blocks where those are the unit of exactness)
         and their tapped hidden states."""
         free = self.runner.cache.free_slot_ids
-        reuse = min(common, len(prompt) - 1) // self._reuse_unit * self._reuse_unit
+        reuse = 0 if donor is None else self.runner.cache.reusable_length(donor, min(common, len(prompt) - 1),
+                                                                          self._reuse_unit)
         others = [slot for slot in free if slot != donor]
         # take the donor itself where that loses nothing it cached, or no other slot is free
         if reuse and donor in free and (len(self._cached[donor]) <= reuse or not others):

@@ -9,7 +9,11 @@ import torch
 
 from specstand.models.presets import PRESETS, fetch
 from specstand.runner.compiled import attach_compiled
-from specstand.runner.transformer import DecoderModel
+from specstand.runner.generic import TransformersModel
+from specstand.runner.hybrid import FAMILIES, HybridModel
+from specstand.runner.transformer import SUPPORTED_ARCHITECTURES, DecoderModel
+
+TargetModel = DecoderModel | HybridModel | TransformersModel
 
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 
@@ -22,7 +26,7 @@ class ModelError(ValueError):
 class LoadedModel:
     name: str
     path: str
-    decoder: DecoderModel
+    decoder: TargetModel
     tokenizer: object  # a transformers tokenizer
     stop_token_ids: frozenset[int]
     max_positions: int
@@ -68,8 +72,7 @@ def load_model(model: str, dtype: str = "bf16", max_seq_len: int = 2048, log=pri
     except OSError as error:
         raise ModelError(f"cannot load model {model!r}: {str(error).splitlines()[0]}") from None
     max_positions = min(max_seq_len, getattr(hf_model.config, "max_position_embeddings", max_seq_len))
-    decoder = DecoderModel(hf_model, max_positions)
-    attach_compiled(decoder, log=log)
+    decoder = target_model(hf_model, max_positions, log)
     stop_ids = {tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set()
     try:
         eos = GenerationConfig.from_pretrained(path).eos_token_id
@@ -77,3 +80,17 @@ def load_model(model: str, dtype: str = "bf16", max_seq_len: int = 2048, log=pri
     except OSError:
         pass  # no generation_config.json
     return LoadedModel(model, path, decoder, tokenizer, frozenset(stop_ids), max_positions)
+
+
+def target_model(hf_model, max_positions: int, log=print) -> TargetModel:
+    """Our forward for the model's architecture: Llama/Qwen2/Qwen3 (compiled where the CPU allows), the
+    hybrid families (Gemma 3, LFM2, Qwen3.5), else the transformers module itself (not exact)."""
+    arch = type(hf_model).__name__
+    if arch in SUPPORTED_ARCHITECTURES:
+        decoder = DecoderModel(hf_model, max_positions)
+        attach_compiled(decoder, log=log)
+        return decoder
+    if arch in FAMILIES:
+        return HybridModel(hf_model, max_positions)
+    log(f"{arch} has no forward of ours: running the transformers module (not exact; the probe decides)")
+    return TransformersModel(hf_model, max_positions)

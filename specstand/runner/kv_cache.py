@@ -12,14 +12,20 @@ holds the same bits however it was computed) and widened to fp32 where attention
 The buffers start zeroed so that masked entries are finite: softmax gives them an exact 0 weight, and
 0 * finite = 0 keeps the result bit-identical whatever was written there before.
 
-Recurrent layers (linear attention, hybrid models) cannot be rolled back by a length alone: their state
-after position t must be snapshotted per draft position and restored on rejection. The engine only talks
-to `rollback(slot, length)`, so such a cache can implement it with snapshots without touching callers.
+Recurrent layers (linear attention, short convolutions) cannot be rolled back by a length alone: their
+state after every draft position is kept and restored on rejection (StateCache, state_cache.py). The
+engine only talks to `advance`, `rollback` and `reusable_length`, whichever cache a model has.
 """
 
 from __future__ import annotations
 
 import torch
+
+# Prompts are computed in blocks of PREFILL_BLOCK positions aligned to multiples of it, each padded to the
+# full block on the Python forward: a position's prompt K/V then depends on its block alone, so a cached
+# prompt prefix (rounded down to a block) is bit-identical to computing the prompt afresh. The compiled
+# forward's rows depend on nothing else in their pass, so there it holds whatever the blocks.
+PREFILL_BLOCK = 64
 
 
 class KVCache:
@@ -67,6 +73,19 @@ class KVCache:
         self.keys[:, dst, :, :length] = self.keys[:, src, :, :length]
         self.values[:, dst, :, :length] = self.values[:, src, :, :length]
         self.lengths[dst] = length
+
+    def advance(self, slot: int, start: int, rows: int) -> None:
+        """A pass computed `rows` rows of the slot from position `start` (its length before the pass)."""
+        self.lengths[slot] = start + rows
+
+    def reusable_length(self, slot: int, length: int, unit: int) -> int:
+        """The longest head of at most `length` cached positions of `slot` that a prompt can start from:
+        here any multiple of `unit`."""
+        return length // unit * unit
+
+    def set_length_for_timing(self, slot: int, length: int) -> None:
+        """Give a slot `length` positions of whatever its buffers hold: for timing passes only."""
+        self.lengths[slot] = length
 
     def rollback(self, slot: int, length: int) -> None:
         """Keep the first `length` positions of the slot; O(1)."""

@@ -8,14 +8,10 @@ from dataclasses import dataclass, field
 import torch
 
 from specstand.runner.compiled import CompiledDecoder
-from specstand.runner.kv_cache import KVCache
+from specstand.runner.kv_cache import PREFILL_BLOCK
 from specstand.runner.transformer import ATTENTION_BUCKET, DecoderModel
 
-# Prompts are computed in blocks of PREFILL_BLOCK positions aligned to multiples of it, each padded to the
-# full block on the Python forward: a position's prompt K/V then depends on its block alone, so a cached
-# prompt prefix (rounded down to a block) is bit-identical to computing the prompt afresh. The compiled
-# forward's rows depend on nothing else in their pass, so there it holds whatever the blocks.
-PREFILL_BLOCK = 64
+__all__ = ["PREFILL_BLOCK", "PROMPT_CHUNK", "PassInput", "PassOutput", "TargetRunner"]
 # Rows per compiled prompt pass: the linears then stream their weights once for many rows, and only the
 # last pass of a prompt computes logits (one row).
 PROMPT_CHUNK = 512
@@ -38,9 +34,9 @@ class PassOutput:
 
 class TargetRunner:
     def __init__(self, model: DecoderModel, num_slots: int, capacity: int) -> None:
+        """`model`: a DecoderModel or any forward with its interface (HybridModel, TransformersModel)."""
         if capacity > model.max_positions:
             raise ValueError(f"cache capacity {capacity} exceeds the model's {model.max_positions} positions")
-        s = model.shape
         self.model = model
         # passes run the model's compiled forward where it has one; prompts too where its path is fast for
         # many rows (bf16 dot-product instructions), else torch's GEMMs
@@ -49,7 +45,7 @@ class TargetRunner:
         self.capacity = capacity
         # attention reads whole buckets, so the buffers end on a bucket boundary
         buffer_len = -(-capacity // ATTENTION_BUCKET) * ATTENTION_BUCKET
-        self.cache = KVCache(s.num_layers, num_slots, s.num_kv_heads, buffer_len, s.head_dim, model.dtype)
+        self.cache = model.new_cache(num_slots, buffer_len)
 
     @torch.inference_mode()
     def run(
@@ -73,14 +69,14 @@ class TargetRunner:
             raise ValueError("prompt chunks share a pass only where prompts run compiled")
         rows = [item.tokens + [item.tokens[-1]] * (width - len(item.tokens)) for item in inputs]
         logits, taps = self.model.forward(
-            torch.tensor(rows), starts, [item.slot for item in inputs],
-            self.cache.keys, self.cache.values, tap_layers, prefill,
+            torch.tensor(rows), starts, [item.slot for item in inputs], self.cache, tap_layers, prefill,
             logits_at=[len(item.tokens) - 1 for item in inputs] if prefill else None,
+            real_rows=[len(item.tokens) for item in inputs],
         )
         outputs = []
         for b, item in enumerate(inputs):
             n = len(item.tokens)
-            self.cache.lengths[item.slot] = starts[b] + n
+            self.cache.advance(item.slot, starts[b], n)
             rows = logits[b] if prefill else logits[b, :n]
             outputs.append(PassOutput(rows, {layer: t[b, :n] for layer, t in taps.items()}))
         return outputs
@@ -99,7 +95,7 @@ class TargetRunner:
         outputs, first = [], 0
         for item, start, end, rows in zip(inputs, starts, ends, wanted, strict=True):
             n = len(item.tokens)
-            self.cache.lengths[item.slot] = start + n
+            self.cache.advance(item.slot, start, n)
             rows_taps = {k: t[end - n : end] for k, t in taps.items()}
             outputs.append(PassOutput(logits[first : first + len(rows)], rows_taps))
             first += len(rows)

@@ -3,7 +3,7 @@
 Why not call the transformers module: its attention (SDPA) rounds differently depending on how many
 query rows a pass holds, so a draft-verify pass and a one-token pass disagree in the last bits and greedy
 answers drift. Here every op is row-local (linears, RMSNorm, RoPE) and attention runs in fp32 with a
-reduction length and a row count that depend on the position alone, not on the pass (see `_attend`).
+reduction length and a row count that depend on the position alone, not on the pass (see `attend`).
 Whether the machine's kernels really keep rows independent is checked at start-up (`exactness.py`).
 """
 
@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from specstand import kernels
+from specstand.runner.kv_cache import KVCache
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
 ATTENTION_BUCKET = 128  # a row at position p attends over roundup(p + 1, ATTENTION_BUCKET) cache positions
@@ -69,6 +70,7 @@ class ModelShape:
     head_dim: int
     vocab_size: int
     rms_eps: float
+    intermediate_size: int
 
     @property
     def q_size(self) -> int:
@@ -113,9 +115,11 @@ class DecoderModel:
             head_dim=head_dim,
             vocab_size=hf_model.lm_head.weight.shape[0],
             rms_eps=cfg.rms_norm_eps,
+            intermediate_size=inner.layers[0].mlp.down_proj.weight.shape[1],
         )
         self.max_positions = max_positions
         self.compiled = None  # the compiled decode/verify forward, once runner/compiled.py attaches one
+        self.exact_by_design = True  # rows computed alike whatever shares their pass: the probe confirms
         self.weights = Weights(
             embed_tokens=inner.embed_tokens.weight.detach(),
             layers=[self._layer_weights(layer) for layer in inner.layers],
@@ -127,6 +131,15 @@ class DecoderModel:
         self.prefill_weights = self.weights.with_layers_in(torch.float32) if fp32_prefill else self.weights
         # the cache (and so the table) ends on a bucket boundary; rows past max_positions are only padding
         self.rope = self._rope_table(inner.rotary_emb, -(-max_positions // ATTENTION_BUCKET) * ATTENTION_BUCKET)
+
+    def linear_weights(self) -> list[torch.Tensor]:
+        """The matrices a decode pass reads (every layer's linears and the head)."""
+        w = self.weights
+        return [t for layer in w.layers for t in (layer.qkv, layer.o_proj, layer.gate_up, layer.down)] + [w.lm_head]
+
+    def new_cache(self, num_slots: int, capacity: int) -> KVCache:
+        s = self.shape
+        return KVCache(s.num_layers, num_slots, s.num_kv_heads, capacity, s.head_dim, self.dtype)
 
     def _interleave(self, weight: torch.Tensor | None, heads: int) -> torch.Tensor | None:
         """Reorder each head's dims from HF's half-split rope layout to interleaved pairs, so RoPE is one
@@ -177,14 +190,15 @@ class DecoderModel:
         tokens: torch.Tensor,
         start_positions: list[int],
         slots: list[int],
-        keys: torch.Tensor,
-        values: torch.Tensor,
+        cache: KVCache,
         tap_layers: tuple[int, ...] = (),
         prefill: bool = False,
         logits_at: list[int] | None = None,
+        real_rows: list[int] | None = None,
     ) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
         """Run `tokens` [B, T] at positions start..start+T-1 of each slot; write their K/V into the cache
-        (`keys`/`values` [layers, slots, kv heads, capacity, D]: the model dtype, see KVCache).
+        (keys/values [layers, slots, kv heads, capacity, D]: the model dtype, see KVCache). Rows of request
+        b past `real_rows[b]` are padding: their K/V land past the slot's length and are never read.
 
         Returns fp32 logits [B, T, V] (or [B, 1, V] of row logits_at[b] of each request) and the hidden
         states of `tap_layers` (HF numbering: 0 is the embedding output, i the output of layer i,
@@ -197,7 +211,7 @@ class DecoderModel:
         if int(positions.max()) >= self.rope.shape[0]:
             raise ValueError(f"position {int(positions.max())} is past the rope table ({self.rope.shape[0]})")
         rope = self.rope[positions][:, :, None]  # [B, T, 1, D/2]
-        runs = [_attention_runs(start, width) for start in start_positions]
+        runs = [attention_runs(start, width) for start in start_positions]
         taps: dict[int, torch.Tensor] = {}
         hidden = F.embedding(tokens, weights.embed_tokens).to(weights.final_norm.dtype)
         if 0 in tap_layers:
@@ -205,7 +219,7 @@ class DecoderModel:
         for index, layer in enumerate(weights.layers):
             attn_in = self.rms_norm(hidden, layer.input_norm)
             hidden = hidden + self._attention(attn_in, layer, rope, slots, start_positions, runs,
-                                              keys[index], values[index])
+                                              cache.keys[index], cache.values[index])
             gate, up = F.linear(self.rms_norm(hidden, layer.post_attention_norm), layer.gate_up).chunk(2, dim=-1)
             hidden = hidden + F.linear(F.silu(gate) * up, layer.down)
             if index + 1 in tap_layers and index + 1 != s.num_layers:
@@ -244,28 +258,33 @@ class DecoderModel:
             slot_keys, slot_values = keys[slot], values[slot]
             slot_keys[:, start : start + width] = k[b]
             slot_values[:, start : start + width] = v[b]
-            parts = [self._attend(q[b, :, r.row : r.row + r.rows], slot_keys, slot_values, r) for r in runs[b]]
+            parts = [attend(q[b, :, r.row : r.row + r.rows], slot_keys, slot_values, r) for r in runs[b]]
             outs.append(parts[0] if len(parts) == 1 else torch.cat(parts, dim=1))
         out = outs[0][None] if batch == 1 else torch.stack(outs)  # [B, H, T, D]
         return F.linear(out.to(x.dtype).transpose(1, 2).reshape(batch, width, s.q_size), layer.o_proj)
 
-    def _attend(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, run: _AttentionRun) -> torch.Tensor:
-        """fp32 attention of query rows q [H, rows, D] over the first run.length cache positions. Rows are
-        zero-padded to a multiple of ATTENTION_ROW_BLOCK: fp32 GEMMs round differently for small odd row
-        counts, and the padding makes a 1-token pass and a verify pass run the same GEMM shapes."""
-        padded = run.bias.shape[0]
-        if padded != run.rows:
-            q = F.pad(q, (0, 0, 0, padded - run.rows))
-        keys, values = keys[None, :, : run.length].float(), values[None, :, : run.length].float()
-        out = F.scaled_dot_product_attention(q[None], keys, values, attn_mask=run.bias, enable_gqa=True)
-        return out[0, :, : run.rows]
 
-def _attention_runs(start: int, width: int) -> list[_AttentionRun]:
+def attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, run: _AttentionRun,
+           scale: float | None = None) -> torch.Tensor:
+    """fp32 attention of query rows q [H, rows, D] over the first run.length cache positions (scores
+    scaled by `scale`, default 1/sqrt(D)). Rows are zero-padded to a multiple of ATTENTION_ROW_BLOCK: fp32
+    GEMMs round differently for small odd row counts, and the padding makes a 1-token pass and a verify
+    pass run the same GEMM shapes."""
+    padded = run.bias.shape[0]
+    if padded != run.rows:
+        q = F.pad(q, (0, 0, 0, padded - run.rows))
+    keys, values = keys[None, :, : run.length].float(), values[None, :, : run.length].float()
+    out = F.scaled_dot_product_attention(q[None], keys, values, attn_mask=run.bias, enable_gqa=True, scale=scale)
+    return out[0, :, : run.rows]
+
+
+def attention_runs(start: int, width: int, window: int | None = None) -> list[_AttentionRun]:
     """Split a request's rows into runs that attend over the same cache length.
 
     A row at position p always attends over the first roundup(p + 1, ATTENTION_BUCKET) cache positions,
     whatever pass it is in: the reduction length (which can change a GEMM's blocking, and so its
     rounding) is a function of the position alone, and short contexts do not pay for the full capacity.
+    With a sliding `window`, a row sees only the keys at positions p - window + 1 .. p.
     """
     runs: list[_AttentionRun] = []
     row = 0
@@ -275,7 +294,10 @@ def _attention_runs(start: int, width: int) -> list[_AttentionRun]:
         padded = -(-rows // ATTENTION_ROW_BLOCK) * ATTENTION_ROW_BLOCK
         # padding rows repeat the last real position, so they see valid keys only
         query_positions = start + row + torch.arange(padded).clamp_max(rows - 1)
-        bias = torch.zeros(padded, length).masked_fill(torch.arange(length) > query_positions[:, None], float("-inf"))
+        hidden = torch.arange(length) > query_positions[:, None]
+        if window is not None:
+            hidden |= torch.arange(length) <= query_positions[:, None] - window
+        bias = torch.zeros(padded, length).masked_fill(hidden, float("-inf"))
         runs.append(_AttentionRun(row, rows, length, bias))
         row += rows
     return runs

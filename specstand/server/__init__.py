@@ -38,6 +38,7 @@ def build_server(model: LoadedModel, config: ServerConfig):
                                                          adaptive=config.adaptive))
     name = config.served_name or model.name
     metrics = ServerMetrics(name)
+    metrics.set_exact(engine.exact)
     cost = engine.pass_cost()  # for the stand's predicted speedup: a plain step and a full verify
     for rows in sorted({1, engine.width}):
         metrics.set_pass_seconds(rows, cost(rows))

@@ -34,6 +34,10 @@ class ServerMetrics:
         self.pass_seconds = Gauge("specstand:pass_seconds_profiled", "A target pass's seconds by rows, profiled at "
                                   "start (1 row: a plain step; K + 1 rows: a full verify).", [*labels, "rows"],
                                   registry=r)
+        self.exact = Gauge("specstand:exact", "1 where greedy answers are token-identical to plain decoding by "
+                           "construction (checked at start); 0 on the fallback forward where the check failed: "
+                           "the stand's identical-answer rate then says how often drafts changed an answer.",
+                           labels, registry=r)
         self._model = model_name
         self._totals = DecodeStats()
 
@@ -52,6 +56,9 @@ class ServerMetrics:
         self.requests.labels(m, outcome).inc()
         self._totals.merge(stats)
         self.tau.labels(m).set(self._totals.tau)
+
+    def set_exact(self, exact: bool) -> None:
+        self.exact.labels(self._model).set(int(exact))
 
     def set_pass_seconds(self, rows: int, seconds: float) -> None:
         self.pass_seconds.labels(self._model, str(rows)).set(seconds)

@@ -90,7 +90,7 @@ def pass_ms(model: LoadedModel, rows: int, context: int, repeats: int = 7) -> fl
     runner.cache.allocate(0)
     times = []
     for _ in range(repeats):
-        runner.cache.rollback(0, context)
+        runner.cache.set_length_for_timing(0, context)
         started = time.perf_counter()
         runner.run([PassInput(0, [1] * rows)], rows)
         times.append(time.perf_counter() - started)

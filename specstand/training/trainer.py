@@ -90,7 +90,7 @@ def tap_layers_for(config: TrainConfig, num_layers: int) -> list[int]:
 
 def make_spec(config: TrainConfig, target: LoadedModel, mask_token_id: int) -> DrafterSpec:
     shape = target.decoder.shape
-    intermediate = config.intermediate_size or min(target.decoder.weights.layers[0].down.shape[1], 1536)
+    intermediate = config.intermediate_size or min(target.decoder.shape.intermediate_size, 1536)
     config_file = Path(target.path) / "config.json"
     architectures = json.loads(config_file.read_text()).get("architectures") if config_file.is_file() else None
     arch = (architectures or [""])[0]

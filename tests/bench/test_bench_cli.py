@@ -57,3 +57,28 @@ def test_server_context_is_sized_from_the_workload(tiny_model_dir):
     assert needed > 256 and workload_context(turns, str(tiny_model_dir), 7) == min(-(-needed // 256) * 256, 1024)
     longer = [Turn("t", [Call(id="a", prompt=long_prompt * 5, max_tokens=100)])]
     assert workload_context(longer, str(tiny_model_dir), 7) == 1024  # the model's own limit
+
+
+def test_bench_on_a_hybrid_target_changes_no_answer(tmp_path, capsys):
+    """A tiny Qwen3.5 twin (gated delta rule beside attention), n-gram and suffix drafts that come and go
+    between passes, two users: every answer identical to plain decoding, broken JSON as the baseline's."""
+    from tests.conftest import save_tiny_model
+
+    model_dir = save_tiny_model(tmp_path / "tiny-qwen3_5", "qwen3_5")
+    turns = [Turn(f"t{i}", [
+        Call(id="a", messages=[{"role": "user", "content": f"w{3 + i} w4 w5 w3 w4 w5 w3 w4"}], max_tokens=24,
+             expect_json=True),
+        Call(id="b", messages=[{"role": "user", "content": "w7 w8 w7 w8 w7"}], depends_on=["a"], max_tokens=24),
+    ]) for i in range(3)]
+    workload = tmp_path / "w.jsonl"
+    save_workload(turns, workload)
+    out = tmp_path / "report"
+    code = main(["bench", "--workload", str(workload), "--model", str(model_dir), "--method", "none,ngram,suffix",
+                 "--users", "1,2", "--repeats", "1", "--out", str(out)])
+    printed = capsys.readouterr().out
+    assert code == 0
+    assert "| identical to none | 100.0% | 100.0% | 100.0% |" in printed
+    summary = json.loads((out / "report.json").read_text())["summary"]
+    for method in ("ngram", "suffix"):
+        assert summary[method]["1"][0]["failed_calls"] == 0
+    assert summary["suffix"]["1"][0]["tau"] > 1.0  # drafts were accepted, so passes alternated

@@ -217,3 +217,21 @@ def test_overload_answers_429(tiny_model_dir):
         assert 429 in codes and 200 in codes
     finally:
         live.close()
+
+
+def test_a_base_model_serves_completions_and_refuses_chat(tmp_path):
+    """A model without a chat template (as the gemma3-270m preset): /v1/completions answers; a chat
+    request gets a 400 that says why, and the server keeps serving."""
+    from tests.conftest import save_tiny_model
+
+    live = LiveServer(save_tiny_model(tmp_path / "tiny-gemma3", "gemma3", chat_template=False), method="suffix")
+    try:
+        served = live.client.models.list().data[0].id
+        completion = live.client.completions.create(model=served, prompt="w3 w4 w5 w3 w4", max_tokens=8)
+        assert completion.choices[0].text
+        refused = httpx.post(live.url + "/v1/chat/completions", json={
+            "model": served, "messages": [{"role": "user", "content": "w3"}], "max_tokens": 4}, timeout=30)
+        assert refused.status_code == 400 and "no chat template" in refused.json()["error"]["message"]
+        assert live.client.completions.create(model=served, prompt="w5", max_tokens=4).usage.completion_tokens == 4
+    finally:
+        live.close()

@@ -184,3 +184,30 @@ def test_trained_drafters_are_lossless_on_every_family_over_shared_heads(family,
         assert [r.output_ids for r in drafted] == plain, method
         assert sum(r.stats.cached_prompt_tokens for r in drafted) >= 4 * 128
         assert sum(r.stats.passes_with_draft for r in drafted) > 0, method
+
+
+@pytest.mark.parametrize("family", ["gemma3", "lfm2", "qwen3_5"])
+def test_drafters_train_on_hybrid_targets_and_stay_lossless(family, tiny_target, tmp_path):
+    """Taps of sliding-window, short-convolution and delta-rule layers feed training as any layer's do:
+    a block drafter (taps of several layers) and EAGLE-3, briefly trained on a hybrid twin's own answers,
+    draft on it with every answer token-identical to plain decoding."""
+    from dataclasses import replace
+
+    from specstand.training.data import generate_rows, save_rows
+    from tests.conftest import random_prompts, save_tiny_model, tiny_hybrid, tiny_turns
+
+    folder = save_tiny_model(tmp_path / f"tiny-{family}", family)
+    decoder = tiny_hybrid(family)
+    target = replace(tiny_target, name=str(folder), path=str(folder), decoder=decoder)
+    data = tmp_path / "data"
+    save_rows(data, generate_rows(target, tiny_turns(8), 0.25, SamplingParams(), 4, 512), {"model": family})
+    requests = [Request(p, 32) for p in random_prompts(4, 40, seed=42)]
+    plain = [r.output_ids for r in Engine(decoder, None, EngineConfig(5, 512, 1)).generate(requests)]
+    for method in ("dflash", "eagle3"):
+        out = tmp_path / method
+        train(TrainConfig(method, str(data), str(out), steps=8, pack_tokens=256, lr=3e-3, draft_vocab_size=64),
+              target, log=lambda _: None)
+        drafter = make_drafter(method, decoder, drafter_path=out)
+        drafted = Engine(decoder, drafter, EngineConfig(5, 512, 2)).generate(requests)
+        assert [r.output_ids for r in drafted] == plain, method
+        assert sum(r.stats.passes_with_draft for r in drafted) > 0, method

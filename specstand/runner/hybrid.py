@@ -1,0 +1,276 @@
+"""Decoders whose layers are not all Llama attention: Gemma 3 (sliding-window layers beside global
+ones, sandwich norms), LFM2 (gated short convolutions beside GQA) and Qwen3.5 (Gated DeltaNet beside
+gated attention), written on the Hugging Face weights like transformer.py.
+
+The runner sees the same interface as DecoderModel (`new_cache`, `forward`, `shape`, `weights`). Their
+cache is a StateCache: K/V for the attention layers and, for recurrent layers, a state per slot with a
+checkpoint after every row of a verify pass, so a rejected draft rolls back exactly. No compiled forward:
+these run on the Python path, whose exactness the start-up probe checks as for the others.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from specstand.runner.kv_cache import PREFILL_BLOCK
+from specstand.runner.mixers import Attention, GatedDeltaNet, Norm, PassContext, ShortConv
+from specstand.runner.state_cache import StateCache
+from specstand.runner.transformer import ATTENTION_BUCKET, ModelShape
+
+Mixer = Attention | ShortConv | GatedDeltaNet
+
+
+@dataclass
+class GatedMLP:
+    gate_up: torch.Tensor  # gate and up projections stacked
+    down: torch.Tensor
+    activation: Callable[[torch.Tensor], torch.Tensor]
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = F.linear(x, self.gate_up).chunk(2, dim=-1)
+        return F.linear(self.activation(gate) * up, self.down)
+
+
+@dataclass
+class HybridLayer:
+    mixer_norm: Norm
+    mixer: Mixer
+    mlp_norm: Norm
+    mlp: GatedMLP
+    post_mixer_norm: Norm | None = None  # Gemma's sandwich norms
+    post_mlp_norm: Norm | None = None
+
+    def __call__(self, hidden: torch.Tensor, positions: torch.Tensor, ctx: PassContext) -> torch.Tensor:
+        mixed = self.mixer(self.mixer_norm(hidden), positions, ctx)
+        hidden = hidden + (mixed if self.post_mixer_norm is None else self.post_mixer_norm(mixed))
+        out = self.mlp(self.mlp_norm(hidden))
+        return hidden + (out if self.post_mlp_norm is None else self.post_mlp_norm(out))
+
+
+@dataclass
+class HybridWeights:
+    embed_tokens: torch.Tensor
+    layers: list[HybridLayer]
+    final_norm: Norm
+    lm_head: torch.Tensor
+    embed_scale: float | None = None  # Gemma scales embeddings by sqrt(hidden), rounded to the model dtype
+    logit_softcap: float | None = None
+
+
+def _gelu_tanh(x: torch.Tensor) -> torch.Tensor:
+    return F.gelu(x, approximate="tanh")
+
+
+ACTIVATIONS = {"silu": F.silu, "gelu_pytorch_tanh": _gelu_tanh, "gelu_tanh": _gelu_tanh}
+
+
+class HybridModel:
+    """Weights + forward of a Gemma 3, LFM2 or Qwen3.5 causal LM; stateless apart from its cache."""
+
+    def __init__(self, hf_model: torch.nn.Module, max_positions: int) -> None:
+        arch = type(hf_model).__name__
+        cfg = hf_model.config
+        inner = hf_model.model
+        self.architecture = arch
+        self.dtype = inner.embed_tokens.weight.dtype
+        self.max_positions = max_positions
+        self.compiled = None  # these families run on the Python path
+        self.exact_by_design = True  # every op row-local or token by token: the probe confirms
+        self.rotary = inner.rotary_emb  # sampled into each attention layer's cos/sin tables
+        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        self._table_len = -(-max_positions // ATTENTION_BUCKET) * ATTENTION_BUCKET
+        self._kv_layers = 0
+        self._state_specs: list[tuple[tuple[int, ...], torch.dtype]] = []
+        layers = [FAMILIES[arch](self, cfg, layer, index) for index, layer in enumerate(inner.layers)]
+        mlp = layers[0].mlp
+        self.shape = ModelShape(
+            num_layers=cfg.num_hidden_layers, hidden_size=cfg.hidden_size, num_heads=cfg.num_attention_heads,
+            num_kv_heads=cfg.num_key_value_heads, head_dim=head_dim, vocab_size=hf_model.lm_head.weight.shape[0],
+            rms_eps=_eps(cfg), intermediate_size=mlp.down.shape[1],
+        )
+        final = inner.norm if hasattr(inner, "norm") else inner.embedding_norm  # LFM2 names it embedding_norm
+        self.weights = HybridWeights(
+            embed_tokens=inner.embed_tokens.weight.detach(),
+            layers=layers,
+            final_norm=Norm(final.weight.detach(), _eps(cfg), _norm_offset(arch)),
+            lm_head=hf_model.lm_head.weight.detach(),
+            embed_scale=cfg.hidden_size**0.5 if arch == "Gemma3ForCausalLM" else None,
+            logit_softcap=getattr(cfg, "final_logit_softcapping", None),
+        )
+
+    def linear_weights(self) -> list[torch.Tensor]:
+        """The matrices a decode pass reads (every layer's projections and the head)."""
+        projections = [t for layer in self.weights.layers for name, t in vars(layer.mixer).items()
+                       if isinstance(t, torch.Tensor) and t.dim() == 2 and name not in ("cos", "sin")]
+        mlps = [t for layer in self.weights.layers for t in (layer.mlp.gate_up, layer.mlp.down)]
+        return projections + mlps + [self.weights.lm_head]
+
+    def new_cache(self, num_slots: int, capacity: int) -> StateCache:
+        s = self.shape
+        return StateCache(max(self._kv_layers, 1), num_slots, s.num_kv_heads, capacity, s.head_dim, self.dtype,
+                          self._state_specs, checkpoint_every=PREFILL_BLOCK)
+
+    # -- building blocks the family loaders use --------------------------------------------------------
+
+    def add_state(self, mixer: ShortConv | GatedDeltaNet) -> None:
+        self._state_specs += mixer.state_specs(self.dtype)
+
+    @property
+    def next_state(self) -> int:
+        return len(self._state_specs)
+
+    def next_kv_layer(self) -> int:
+        self._kv_layers += 1
+        return self._kv_layers - 1
+
+    def rope_tables(self, rotary_emb: torch.nn.Module, *args) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin [positions, rotary dims] in fp32, sampled from the HF rotary module (it knows every
+        rope variant; extra `args` such as Gemma's layer type are passed through)."""
+        cos, sin = rotary_emb(torch.empty(1), torch.arange(self._table_len)[None], *args)
+        return cos.reshape(self._table_len, -1).float(), sin.reshape(self._table_len, -1).float()
+
+    # -- the forward -----------------------------------------------------------------------------------
+
+    def forward(
+        self,
+        tokens: torch.Tensor,
+        start_positions: list[int],
+        slots: list[int],
+        cache: StateCache,
+        tap_layers: tuple[int, ...] = (),
+        prefill: bool = False,
+        logits_at: list[int] | None = None,
+        real_rows: list[int] | None = None,
+    ) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
+        """As DecoderModel.forward; recurrent layers advance their state over the first real_rows[b] rows
+        of request b only (the rest is padding), and save it where the cache asks."""
+        w = self.weights
+        width = tokens.shape[1]
+        positions = torch.tensor(start_positions)[:, None] + torch.arange(width)[None]
+        if int(positions.max()) >= self._table_len:
+            raise ValueError(f"position {int(positions.max())} is past the rope table ({self._table_len})")
+        ctx = PassContext.build(start_positions, slots, real_rows or [width] * len(slots), cache, prefill)
+        hidden = F.embedding(tokens, w.embed_tokens)
+        if w.embed_scale is not None:
+            hidden = hidden * torch.tensor(w.embed_scale, dtype=hidden.dtype)
+        taps: dict[int, torch.Tensor] = {0: hidden} if 0 in tap_layers else {}
+        for index, layer in enumerate(w.layers):
+            hidden = layer(hidden, positions, ctx)
+            if index + 1 in tap_layers and index + 1 != self.shape.num_layers:
+                taps[index + 1] = hidden
+        hidden = w.final_norm(hidden)
+        if self.shape.num_layers in tap_layers:
+            taps[self.shape.num_layers] = hidden
+        if logits_at is not None:
+            hidden = hidden[torch.arange(len(logits_at)), logits_at][:, None]
+        logits = F.linear(hidden.to(w.lm_head.dtype), w.lm_head).float()
+        if w.logit_softcap:
+            logits = torch.tanh(logits / w.logit_softcap) * w.logit_softcap
+        return logits, taps
+
+
+def _eps(cfg) -> float:
+    return getattr(cfg, "rms_norm_eps", None) or cfg.norm_eps
+
+
+def _norm_offset(arch: str) -> float:
+    return 0.0 if arch == "Lfm2ForCausalLM" else 1.0  # Gemma and Qwen3.5 scale by (1 + weight)
+
+
+def _detached(t: torch.Tensor | None) -> torch.Tensor | None:
+    return None if t is None else t.detach()
+
+
+def _norm(module: torch.nn.Module, cfg, arch: str) -> Norm:
+    return Norm(module.weight.detach(), _eps(cfg), _norm_offset(arch))
+
+
+def _mlp(w1: torch.nn.Linear, w3: torch.nn.Linear, w2: torch.nn.Linear, activation: str) -> GatedMLP:
+    """A gated MLP from its gate (w1), up (w3) and down (w2) projections."""
+    if activation not in ACTIVATIONS:
+        raise ValueError(f"activation {activation!r} is not supported")
+    return GatedMLP(torch.cat([w1.weight, w3.weight]).detach(), w2.weight.detach(), ACTIVATIONS[activation])
+
+
+def _attention(model: HybridModel, attn: torch.nn.Module, cfg, rope: tuple[torch.Tensor, torch.Tensor],
+               q_norm, k_norm, arch: str, **kw) -> Attention:
+    if any(getattr(attn, name, None) is not None and getattr(attn, name).bias is not None
+           for name in ("q_proj", "k_proj", "v_proj")):
+        raise ValueError(f"{arch}: attention biases are not supported")
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    o = getattr(attn, "o_proj", None) or attn.out_proj
+    return Attention(
+        q=attn.q_proj.weight.detach(), k=attn.k_proj.weight.detach(), v=attn.v_proj.weight.detach(),
+        o=o.weight.detach(), num_heads=cfg.num_attention_heads, num_kv_heads=cfg.num_key_value_heads,
+        head_dim=head_dim, kv_layer=model.next_kv_layer(), cos=rope[0], sin=rope[1],
+        q_norm=_norm(q_norm, cfg, arch), k_norm=_norm(k_norm, cfg, arch), **kw,
+    )
+
+
+def _gemma3_layer(model: HybridModel, cfg, layer: torch.nn.Module, index: int) -> HybridLayer:
+    arch = "Gemma3ForCausalLM"
+    if getattr(cfg, "attn_logit_softcapping", None) or getattr(cfg, "use_bidirectional_attention", False):
+        raise ValueError("Gemma 3 with attention soft-capping or bidirectional attention is not supported")
+    kind = cfg.layer_types[index]
+    attn = layer.self_attn
+    mixer = _attention(model, attn, cfg, model.rope_tables(model.rotary, kind), attn.q_norm, attn.k_norm, arch,
+                       scale=attn.scaling, window=cfg.sliding_window if kind == "sliding_attention" else None)
+    mlp = layer.mlp
+    return HybridLayer(
+        mixer_norm=_norm(layer.input_layernorm, cfg, arch), mixer=mixer,
+        mlp_norm=_norm(layer.pre_feedforward_layernorm, cfg, arch),
+        mlp=_mlp(mlp.gate_proj, mlp.up_proj, mlp.down_proj, cfg.hidden_activation),
+        post_mixer_norm=_norm(layer.post_attention_layernorm, cfg, arch),
+        post_mlp_norm=_norm(layer.post_feedforward_layernorm, cfg, arch),
+    )
+
+
+def _lfm2_layer(model: HybridModel, cfg, layer: torch.nn.Module, index: int) -> HybridLayer:
+    arch = "Lfm2ForCausalLM"
+    if layer.is_attention_layer:
+        attn = layer.self_attn
+        mixer = _attention(model, attn, cfg, model.rope_tables(model.rotary), attn.q_layernorm, attn.k_layernorm,
+                           arch, scale=attn.scaling)
+    else:
+        conv = layer.conv
+        mixer = ShortConv(conv.in_proj.weight.detach(), _detached(conv.in_proj.bias), conv.conv.weight.detach()[:, 0],
+                          _detached(conv.conv.bias), conv.out_proj.weight.detach(), _detached(conv.out_proj.bias),
+                          state=model.next_state)
+        model.add_state(mixer)
+    ff = layer.feed_forward
+    return HybridLayer(mixer_norm=_norm(layer.operator_norm, cfg, arch), mixer=mixer,
+                       mlp_norm=_norm(layer.ffn_norm, cfg, arch), mlp=_mlp(ff.w1, ff.w3, ff.w2, "silu"))
+
+
+def _qwen3_5_layer(model: HybridModel, cfg, layer: torch.nn.Module, index: int) -> HybridLayer:
+    arch = "Qwen3_5ForCausalLM"
+    if cfg.layer_types[index] == "linear_attention":
+        net = layer.linear_attn
+        mixer = GatedDeltaNet(
+            in_qkv=net.in_proj_qkv.weight.detach(), in_z=net.in_proj_z.weight.detach(),
+            in_b=net.in_proj_b.weight.detach(), in_a=net.in_proj_a.weight.detach(),
+            conv=net.conv1d.weight.detach()[:, 0], a_log=net.A_log.detach(), dt_bias=net.dt_bias.detach(),
+            norm=Norm(net.norm.weight.detach(), net.norm.variance_epsilon), out_proj=net.out_proj.weight.detach(),
+            num_k_heads=net.num_k_heads, num_v_heads=net.num_v_heads, head_k_dim=net.head_k_dim,
+            head_v_dim=net.head_v_dim, state=model.next_state,
+        )
+        model.add_state(mixer)
+    else:
+        attn = layer.self_attn
+        mixer = _attention(model, attn, cfg, model.rope_tables(model.rotary), attn.q_norm, attn.k_norm, arch,
+                           scale=attn.scaling, gated=True)
+    mlp = layer.mlp
+    return HybridLayer(mixer_norm=_norm(layer.input_layernorm, cfg, arch), mixer=mixer,
+                       mlp_norm=_norm(layer.post_attention_layernorm, cfg, arch),
+                       mlp=_mlp(mlp.gate_proj, mlp.up_proj, mlp.down_proj, cfg.hidden_act))
+
+
+FAMILIES: dict[str, Callable[[HybridModel, object, torch.nn.Module, int], HybridLayer]] = {
+    "Gemma3ForCausalLM": _gemma3_layer,
+    "Lfm2ForCausalLM": _lfm2_layer,
+    "Qwen3_5ForCausalLM": _qwen3_5_layer,
+}

@@ -1,0 +1,230 @@
+"""Token mixers of the hybrid families (hybrid.py): attention (global or sliding-window, optionally
+gated), gated short convolution (LFM2) and the gated delta rule (Qwen3.5's linear attention).
+
+Every op is row-local or runs token by token in a fixed order, so a row computes the same whatever else
+shares its pass (the same contract as transformer.py). Recurrent mixers read their state at the slot's
+length from the StateCache and hand it the state after each row it asks for (`rows_to_keep`); they never
+update a state tensor in place.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from specstand.runner.state_cache import StateCache
+from specstand.runner.transformer import _AttentionRun, attend, attention_runs
+
+
+@dataclass
+class Norm:
+    """RMSNorm over the last dim, in fp32. `offset` 1 scales by (1 + weight) in fp32 and rounds once
+    (Gemma, Qwen3.5); 0 rounds the normed value first and scales in the model dtype (Llama, LFM2)."""
+
+    weight: torch.Tensor
+    eps: float
+    offset: float = 0.0
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        normed = x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + self.eps)
+        if self.offset:
+            return (normed * (self.offset + self.weight.float())).to(x.dtype)
+        return self.weight * normed.to(x.dtype)
+
+
+@dataclass
+class PassContext:
+    """What a pass's mixers share: where each request's rows sit and the cache they read and write."""
+
+    start_positions: list[int]
+    slots: list[int]
+    real_rows: list[int]
+    cache: StateCache
+    prompt: bool  # a prompt pass keeps fewer recurrent states (see StateCache.rows_to_keep)
+    _runs: dict[int | None, list[list[_AttentionRun]]]
+
+    @classmethod
+    def build(cls, start_positions: list[int], slots: list[int], real_rows: list[int], cache: StateCache,
+              prompt: bool) -> PassContext:
+        return cls(start_positions, slots, real_rows, cache, prompt, {})
+
+    def rows_to_keep(self, start: int, real: int) -> list[int]:
+        return self.cache.rows_to_keep(start, real, every_row=not self.prompt)
+
+    def runs(self, width: int, window: int | None) -> list[list[_AttentionRun]]:
+        if window not in self._runs:
+            self._runs[window] = [attention_runs(start, width, window) for start in self.start_positions]
+        return self._runs[window]
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """RoPE in HF's half-split layout on the first cos.shape[-1] dims of each head (partial rotary), fp32."""
+    dims = cos.shape[-1]
+    rot, rest = x[..., :dims].float(), x[..., dims:].float()
+    half = dims // 2
+    rotated = torch.cat([-rot[..., half:], rot[..., :half]], dim=-1)
+    return torch.cat([rot * cos + rotated * sin, rest], dim=-1)
+
+
+@dataclass
+class Attention:
+    q: torch.Tensor  # [heads * D (* 2 with a gate: per head, D query dims then D gate dims), hidden]
+    k: torch.Tensor
+    v: torch.Tensor
+    o: torch.Tensor
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    kv_layer: int  # this layer's index among the cache's attention layers
+    cos: torch.Tensor  # [positions, rotary dims] fp32
+    sin: torch.Tensor
+    scale: float
+    window: int | None = None  # sliding-window layers see the last `window` positions
+    q_norm: Norm | None = None
+    k_norm: Norm | None = None
+    gated: bool = False  # Qwen3.5: output * sigmoid(gate), the gate computed beside the query
+
+    def __call__(self, x: torch.Tensor, positions: torch.Tensor, ctx: PassContext) -> torch.Tensor:
+        batch, width, _ = x.shape
+        d = self.head_dim
+        q = F.linear(x, self.q).view(batch, width, self.num_heads, -1)
+        gate = None
+        if self.gated:
+            q, gate = q.split([d, d], dim=-1)
+            gate = gate.reshape(batch, width, -1)
+        k = F.linear(x, self.k).view(batch, width, self.num_kv_heads, d)
+        v = F.linear(x, self.v).view(batch, width, self.num_kv_heads, d)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        cos, sin = self.cos[positions][:, :, None], self.sin[positions][:, :, None]
+        q, k = _rotate(q, cos, sin).transpose(1, 2), _rotate(k, cos, sin).transpose(1, 2)  # [B, heads, T, D]
+        v = v.transpose(1, 2)
+        keys, values = ctx.cache.keys[self.kv_layer], ctx.cache.values[self.kv_layer]
+        runs = ctx.runs(width, self.window)
+        outs = []
+        for b, (slot, start) in enumerate(zip(ctx.slots, ctx.start_positions, strict=True)):
+            keys[slot, :, start : start + width] = k[b]
+            values[slot, :, start : start + width] = v[b]
+            parts = [attend(q[b, :, r.row : r.row + r.rows], keys[slot], values[slot], r, self.scale) for r in runs[b]]
+            outs.append(torch.cat(parts, dim=1))
+        out = torch.stack(outs).to(x.dtype).transpose(1, 2).reshape(batch, width, -1)
+        if gate is not None:
+            out = out * torch.sigmoid(gate)
+        return F.linear(out, self.o)
+
+
+def _causal_conv(window: torch.Tensor, weight: torch.Tensor, rows: int) -> torch.Tensor:
+    """Depthwise causal convolution, fp32: row t = sum_j weight[:, j] * window[t + j], summed in the
+    order of j, where `window` [taps - 1 + rows, C] holds the previous inputs then this pass's."""
+    taps = weight.shape[1]
+    w = weight.float()
+    out = w[:, 0] * window[0:rows].float()
+    for j in range(1, taps):
+        out = out + w[:, j] * window[j : j + rows].float()
+    return out
+
+
+@dataclass
+class ShortConv:
+    """LFM2's gated short convolution: B, C, x = in_proj(h); y = out_proj(C * conv(B * x)). Its state
+    is the last taps - 1 values of B * x."""
+
+    in_proj: torch.Tensor  # [3 * hidden, hidden]
+    in_bias: torch.Tensor | None
+    conv: torch.Tensor  # [hidden, taps]
+    conv_bias: torch.Tensor | None
+    out_proj: torch.Tensor
+    out_bias: torch.Tensor | None
+    state: int  # index of its state in the cache
+
+    def state_specs(self, dtype: torch.dtype) -> list[tuple[tuple[int, ...], torch.dtype]]:
+        return [((self.conv.shape[1] - 1, self.conv.shape[0]), dtype)]
+
+    def __call__(self, x: torch.Tensor, positions: torch.Tensor, ctx: PassContext) -> torch.Tensor:
+        b_, c_, x_ = F.linear(x, self.in_proj, self.in_bias).chunk(3, dim=-1)
+        bx = b_ * x_
+        taps = self.conv.shape[1]
+        outs = []
+        for b, (slot, start, real) in enumerate(zip(ctx.slots, ctx.start_positions, ctx.real_rows, strict=True)):
+            window = torch.cat([ctx.cache.state(slot, self.state), bx[b]])
+            conv = _causal_conv(window, self.conv, x.shape[1])
+            if self.conv_bias is not None:
+                conv = conv + self.conv_bias.float()
+            outs.append(conv.to(x.dtype))
+            kept = ctx.rows_to_keep(start, real)
+            ctx.cache.record(slot, self.state, start, {t: window[t + 1 : t + taps] for t in kept})
+        return F.linear(c_ * torch.stack(outs), self.out_proj, self.out_bias)
+
+
+@dataclass
+class GatedDeltaNet:
+    """Qwen3.5's linear attention: a causal conv (SiLU) over [q; k; v], then per value head the gated
+    delta rule S <- S * exp(g) + k (beta (v - S^T k))^T, read out as S^T q, then a gated RMSNorm (SiLU of
+    z) and out_proj. State: the conv's last taps - 1 inputs and S [value heads, dk, dv] in fp32."""
+
+    in_qkv: torch.Tensor  # [2 * key_dim + value_dim, hidden]
+    in_z: torch.Tensor  # [value_dim, hidden]
+    in_b: torch.Tensor  # [value heads, hidden]
+    in_a: torch.Tensor
+    conv: torch.Tensor  # [2 * key_dim + value_dim, taps]
+    a_log: torch.Tensor  # [value heads]
+    dt_bias: torch.Tensor
+    norm: Norm  # over dv, then * silu(z)
+    out_proj: torch.Tensor
+    num_k_heads: int
+    num_v_heads: int
+    head_k_dim: int
+    head_v_dim: int
+    state: int  # index of its conv state in the cache; S is state + 1
+
+    def state_specs(self, dtype: torch.dtype) -> list[tuple[tuple[int, ...], torch.dtype]]:
+        return [((self.conv.shape[1] - 1, self.conv.shape[0]), dtype),
+                ((self.num_v_heads, self.head_k_dim, self.head_v_dim), torch.float32)]
+
+    def __call__(self, x: torch.Tensor, positions: torch.Tensor, ctx: PassContext) -> torch.Tensor:
+        batch, width, _ = x.shape
+        mixed = F.linear(x, self.in_qkv)
+        z = F.linear(x, self.in_z).view(batch, width, self.num_v_heads, self.head_v_dim)
+        beta = torch.sigmoid(F.linear(x, self.in_b)).float()
+        decay = -self.a_log.float().exp() * F.softplus(F.linear(x, self.in_a).float() + self.dt_bias.float())
+        taps = self.conv.shape[1]
+        outs = []
+        for b, (slot, start, real) in enumerate(zip(ctx.slots, ctx.start_positions, ctx.real_rows, strict=True)):
+            window = torch.cat([ctx.cache.state(slot, self.state), mixed[b]])
+            qkv = F.silu(_causal_conv(window, self.conv, width)).to(x.dtype)
+            kept = ctx.rows_to_keep(start, real)
+            ctx.cache.record(slot, self.state, start, {t: window[t + 1 : t + taps] for t in kept})
+            out, states = self._delta_rule(qkv, beta[b], decay[b], ctx.cache.state(slot, self.state + 1), real)
+            ctx.cache.record(slot, self.state + 1, start, {t: states[t] for t in kept})
+            outs.append(out)
+        core = torch.stack(outs)  # [B, T, value heads, dv] fp32
+        gated = self.norm(core) * F.silu(z.float())
+        return F.linear(gated.to(x.dtype).reshape(batch, width, -1), self.out_proj)
+
+    def _delta_rule(self, qkv: torch.Tensor, beta: torch.Tensor, decay: torch.Tensor, state: torch.Tensor,
+                    real: int) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """Token by token over one request's rows; returns the outputs [T, value heads, dv] and the
+        state after each of its first `real` rows."""
+        width = qkv.shape[0]
+        key_dim = self.num_k_heads * self.head_k_dim
+        q, k, v = qkv.float().split([key_dim, key_dim, self.num_v_heads * self.head_v_dim], dim=-1)
+        q = q.view(width, self.num_k_heads, self.head_k_dim)
+        k = k.view(width, self.num_k_heads, self.head_k_dim)
+        v = v.view(width, self.num_v_heads, self.head_v_dim)
+        if self.num_v_heads != self.num_k_heads:  # each key head serves consecutive value heads
+            q = q.repeat_interleave(self.num_v_heads // self.num_k_heads, dim=1)
+            k = k.repeat_interleave(self.num_v_heads // self.num_k_heads, dim=1)
+        q = q * torch.rsqrt((q * q).sum(-1, keepdim=True) + 1e-6) / self.head_k_dim**0.5
+        k = k * torch.rsqrt((k * k).sum(-1, keepdim=True) + 1e-6)
+        out, states = torch.empty_like(v), []
+        for t in range(width):
+            state = state * decay[t].exp()[:, None, None]
+            remembered = (state * k[t][:, :, None]).sum(-2)
+            delta = (v[t] - remembered) * beta[t][:, None]
+            state = state + k[t][:, :, None] * delta[:, None, :]
+            out[t] = (state * q[t][:, :, None]).sum(-2)
+            if t < real:
+                states.append(state)
+        return out, states

@@ -1,0 +1,72 @@
+"""The fallback target: architectures without a forward of ours run through the transformers module,
+with a rollback that crops its cache or recomputes, and say whether they are exact."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import GPTNeoXConfig, GPTNeoXForCausalLM, Qwen3NextConfig, Qwen3NextForCausalLM
+
+from specstand.drafters import make_drafter
+from specstand.engine import Engine, EngineConfig, Request
+from specstand.models.loading import target_model
+from specstand.runner import PassInput, TargetRunner
+from specstand.runner.generic import TransformersModel
+from tests.conftest import VOCAB, random_prompts
+
+SMALL = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
+             max_position_embeddings=1024, eos_token_id=1, bos_token_id=0)
+MODELS = {
+    # attention only: the module's cache crops back exactly
+    "gpt_neox": lambda: GPTNeoXForCausalLM(GPTNeoXConfig(**SMALL)),
+    # gated delta rule (with experts): its cache cannot crop, the slot is recomputed from its tokens
+    "qwen3_next": lambda: Qwen3NextForCausalLM(Qwen3NextConfig(
+        **SMALL, num_key_value_heads=2, head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4,
+        linear_key_head_dim=16, linear_value_head_dim=16, num_experts=4, num_experts_per_tok=2,
+        moe_intermediate_size=32, shared_expert_intermediate_size=32,
+        layer_types=["linear_attention", "full_attention", "linear_attention", "full_attention"])),
+}
+
+
+def _model(name: str) -> torch.nn.Module:
+    torch.manual_seed(0)
+    return MODELS[name]().eval()
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_unknown_architectures_run_through_the_module(name):
+    logged = []
+    model = target_model(_model(name), 512, log=logged.append)
+    assert isinstance(model, TransformersModel) and "not exact" in logged[0]
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_rollback_leaves_no_trace(name):
+    """A verify pass of 4 rows kept 1, then the next pass: the logits of a slot that never saw the
+    rejected rows (crop, or recompute where the module's cache cannot crop)."""
+    model = TransformersModel(_model(name), 512)
+    runner = TargetRunner(model, 2, 256)
+    tokens = random_prompts(1, 30, seed=3)[0]
+    rolled, clean = runner.cache.allocate(), runner.cache.allocate()
+    for slot in (rolled, clean):
+        runner.prefill(slot, tokens[:20])
+    runner.run([PassInput(rolled, tokens[20:21] + [5, 6, 7])], 4)
+    runner.cache.rollback(rolled, 21)
+    runner.run([PassInput(clean, tokens[20:21])], 4)
+    a = runner.run([PassInput(rolled, tokens[21:24])], 4)[0].logits
+    b = runner.run([PassInput(clean, tokens[21:24])], 4)[0].logits
+    assert (a - b).abs().max() < 1e-4
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_the_engine_says_whether_the_fallback_is_exact_and_answers(name):
+    model = TransformersModel(_model(name), 512)
+    prompts = random_prompts(3, 30, seed=4)
+    plain = Engine(model, None, EngineConfig(5, 256, 1))
+    drafted = Engine(model, make_drafter("suffix"), EngineConfig(5, 256, 2))
+    assert isinstance(drafted.exact, bool)  # the probe's verdict, reported rather than refused
+    baseline = [r.output_ids for r in plain.generate([Request(p, 24) for p in prompts])]
+    results = drafted.generate([Request(p, 24) for p in prompts])
+    assert all(r.finish_reason in ("stop", "length") for r in results)
+    if drafted.exact:
+        assert [r.output_ids for r in results] == baseline

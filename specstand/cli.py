@@ -72,6 +72,9 @@ def build_parser() -> argparse.ArgumentParser:
     imp.add_argument("--max-result-chars", type=int, default=600, help="truncate recorded tool results")
     imp.add_argument("--max-tokens", type=int, default=None, help="answer budget per call")
     imp.add_argument("--spec-bench-file", type=Path, default=None)
+    imp.add_argument("--plain", action="store_true",
+                     help="spec-bench: plain-text prompts, for base models without a chat template")
+    imp.add_argument("--per-category", type=int, default=None, help="spec-bench: at most this many per category")
 
     record = commands.add_parser("record", help="pass-through proxy that records an agent's calls as a workload")
     record.add_argument("--upstream", required=True, help="the OpenAI-compatible server the agent uses")
@@ -363,7 +366,7 @@ def cmd_workload(args: argparse.Namespace) -> None:
     wanted = None if args.limit is None else args.skip + args.limit
     if args.source == "spec-bench":
         turns = import_spec_bench(args.spec_bench_file or SPEC_BENCH, wanted, args.max_prompt_chars,
-                                  args.max_tokens or 256)
+                                  args.max_tokens or 256, args.plain, args.per_category)
     else:
         turns = import_tool_calls(args.source, nestful_wheel(log=_log), wanted, args.max_result_chars,
                                   args.max_prompt_chars, args.max_tokens or 128)

@@ -199,5 +199,10 @@ def tiny_hybrid_hf_model(family: str, dtype: torch.dtype = torch.float32, seed: 
     return model.to(dtype)
 
 
-def tiny_hybrid(family: str, dtype: torch.dtype = torch.float32, max_positions: int = 512) -> HybridModel:
-    return HybridModel(tiny_hybrid_hf_model(family, dtype), max_positions)
+def tiny_hybrid(family: str, dtype: torch.dtype = torch.float32, max_positions: int = 512,
+                forward: str = "python") -> HybridModel:
+    """A tiny hybrid target whose projections run `forward`: "python" (torch) or a kernel path (bf16)."""
+    model = HybridModel(tiny_hybrid_hf_model(family, dtype), max_positions)
+    if forward != "python":
+        assert model.attach_kernels(forward) == forward
+    return model

@@ -91,6 +91,8 @@ def target_model(hf_model, max_positions: int, log=print) -> TargetModel:
         attach_compiled(decoder, log=log)
         return decoder
     if arch in FAMILIES:
-        return HybridModel(hf_model, max_positions)
+        hybrid = HybridModel(hf_model, max_positions)
+        hybrid.attach_kernels(log=log)
+        return hybrid
     log(f"{arch} has no forward of ours: running the transformers module (not exact; the probe decides)")
     return TransformersModel(hf_model, max_positions)

@@ -4,8 +4,9 @@ gated attention), written on the Hugging Face weights like transformer.py.
 
 The runner sees the same interface as DecoderModel (`new_cache`, `forward`, `shape`, `weights`). Their
 cache is a StateCache: K/V for the attention layers and, for recurrent layers, a state per slot with a
-checkpoint after every row of a verify pass, so a rejected draft rolls back exactly. No compiled forward:
-these run on the Python path, whose exactness the start-up probe checks as for the others.
+checkpoint after every row of a verify pass, so a rejected draft rolls back exactly. No whole-layer
+compiled forward: the Python one, with every projection through the compiled batch-invariant linear
+where the kernels build (`attach_kernels`); the start-up probe checks exactness as for the others.
 """
 
 from __future__ import annotations
@@ -16,8 +17,9 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from specstand import kernels
 from specstand.runner.kv_cache import PREFILL_BLOCK
-from specstand.runner.mixers import Attention, GatedDeltaNet, Norm, PassContext, ShortConv
+from specstand.runner.mixers import Attention, GatedDeltaNet, Linear, Norm, PassContext, ShortConv, linears_of
 from specstand.runner.state_cache import StateCache
 from specstand.runner.transformer import ATTENTION_BUCKET, ModelShape
 
@@ -26,13 +28,13 @@ Mixer = Attention | ShortConv | GatedDeltaNet
 
 @dataclass
 class GatedMLP:
-    gate_up: torch.Tensor  # gate and up projections stacked
-    down: torch.Tensor
+    gate_up: Linear  # gate and up projections stacked
+    down: Linear
     activation: Callable[[torch.Tensor], torch.Tensor]
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = F.linear(x, self.gate_up).chunk(2, dim=-1)
-        return F.linear(self.activation(gate) * up, self.down)
+        gate, up = self.gate_up(x).chunk(2, dim=-1)
+        return self.down(self.activation(gate) * up)
 
 
 @dataclass
@@ -56,7 +58,8 @@ class HybridWeights:
     embed_tokens: torch.Tensor
     layers: list[HybridLayer]
     final_norm: Norm
-    lm_head: torch.Tensor
+    lm_head: torch.Tensor  # also read by drafters (their heads start from it)
+    head: Linear  # lm_head as the forward applies it
     embed_scale: float | None = None  # Gemma scales embeddings by sqrt(hidden), rounded to the model dtype
     logit_softcap: float | None = None
 
@@ -78,7 +81,8 @@ class HybridModel:
         self.architecture = arch
         self.dtype = inner.embed_tokens.weight.dtype
         self.max_positions = max_positions
-        self.compiled = None  # these families run on the Python path
+        self.compiled = None  # no whole-layer compiled forward: the Python one, with compiled linears
+        self.kernel_path = "python"  # the projections' kernel path (attach_kernels)
         self.exact_by_design = True  # every op row-local or token by token: the probe confirms
         self.rotary = inner.rotary_emb  # sampled into each attention layer's cos/sin tables
         head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
@@ -90,7 +94,7 @@ class HybridModel:
         self.shape = ModelShape(
             num_layers=cfg.num_hidden_layers, hidden_size=cfg.hidden_size, num_heads=cfg.num_attention_heads,
             num_kv_heads=cfg.num_key_value_heads, head_dim=head_dim, vocab_size=hf_model.lm_head.weight.shape[0],
-            rms_eps=_eps(cfg), intermediate_size=mlp.down.shape[1],
+            rms_eps=_eps(cfg), intermediate_size=mlp.down.weight.shape[1],
         )
         final = inner.norm if hasattr(inner, "norm") else inner.embedding_norm  # LFM2 names it embedding_norm
         self.weights = HybridWeights(
@@ -98,16 +102,38 @@ class HybridModel:
             layers=layers,
             final_norm=Norm(final.weight.detach(), _eps(cfg), _norm_offset(arch)),
             lm_head=hf_model.lm_head.weight.detach(),
+            head=Linear(hf_model.lm_head.weight.detach()),
             embed_scale=cfg.hidden_size**0.5 if arch == "Gemma3ForCausalLM" else None,
             logit_softcap=getattr(cfg, "final_logit_softcapping", None),
         )
 
+    def linears(self) -> list[Linear]:
+        """Every projection a pass applies: each layer's mixer and MLP, and the head."""
+        layers = self.weights.layers
+        return [lin for layer in layers for part in (layer.mixer, layer.mlp) for lin in linears_of(part)] + [
+            self.weights.head]
+
     def linear_weights(self) -> list[torch.Tensor]:
         """The matrices a decode pass reads (every layer's projections and the head)."""
-        projections = [t for layer in self.weights.layers for name, t in vars(layer.mixer).items()
-                       if isinstance(t, torch.Tensor) and t.dim() == 2 and name not in ("cos", "sin")]
-        mlps = [t for layer in self.weights.layers for t in (layer.mlp.gate_up, layer.mlp.down)]
-        return projections + mlps + [self.weights.lm_head]
+        return [lin.weight for lin in self.linears()]
+
+    def attach_kernels(self, path: str | None = None, log=None) -> str:
+        """Run every projection through the compiled batch-invariant linear of kernel `path` (default the
+        best this CPU has) where the model is bf16 and the kernels build; returns the path used, or
+        "python" (the reason logged) where torch's linears stay."""
+        try:
+            if self.dtype != torch.bfloat16:
+                raise kernels.KernelsUnavailable("the compiled linears take bf16 weights; this model is not bf16")
+            path = path or kernels.best_path()
+            module = kernels.load()
+            for lin in self.linears():
+                lin.pack(module, kernels.PATHS[path])
+            self.kernel_path = path
+            return path
+        except kernels.KernelsUnavailable as reason:
+            if log is not None and self.dtype == torch.bfloat16:
+                log(str(reason))
+            return "python"
 
     def new_cache(self, num_slots: int, capacity: int) -> StateCache:
         s = self.shape
@@ -167,7 +193,7 @@ class HybridModel:
             taps[self.shape.num_layers] = hidden
         if logits_at is not None:
             hidden = hidden[torch.arange(len(logits_at)), logits_at][:, None]
-        logits = F.linear(hidden.to(w.lm_head.dtype), w.lm_head).float()
+        logits = w.head(hidden).float()
         if w.logit_softcap:
             logits = torch.tanh(logits / w.logit_softcap) * w.logit_softcap
         return logits, taps
@@ -189,23 +215,24 @@ def _norm(module: torch.nn.Module, cfg, arch: str) -> Norm:
     return Norm(module.weight.detach(), _eps(cfg), _norm_offset(arch))
 
 
+def _linear(module: torch.nn.Module) -> Linear:
+    return Linear(module.weight.detach(), _detached(module.bias))
+
+
 def _mlp(w1: torch.nn.Linear, w3: torch.nn.Linear, w2: torch.nn.Linear, activation: str) -> GatedMLP:
     """A gated MLP from its gate (w1), up (w3) and down (w2) projections."""
     if activation not in ACTIVATIONS:
         raise ValueError(f"activation {activation!r} is not supported")
-    return GatedMLP(torch.cat([w1.weight, w3.weight]).detach(), w2.weight.detach(), ACTIVATIONS[activation])
+    return GatedMLP(Linear(torch.cat([w1.weight, w3.weight]).detach()), _linear(w2), ACTIVATIONS[activation])
 
 
 def _attention(model: HybridModel, attn: torch.nn.Module, cfg, rope: tuple[torch.Tensor, torch.Tensor],
                q_norm, k_norm, arch: str, **kw) -> Attention:
-    if any(getattr(attn, name, None) is not None and getattr(attn, name).bias is not None
-           for name in ("q_proj", "k_proj", "v_proj")):
-        raise ValueError(f"{arch}: attention biases are not supported")
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
     o = getattr(attn, "o_proj", None) or attn.out_proj
     return Attention(
-        q=attn.q_proj.weight.detach(), k=attn.k_proj.weight.detach(), v=attn.v_proj.weight.detach(),
-        o=o.weight.detach(), num_heads=cfg.num_attention_heads, num_kv_heads=cfg.num_key_value_heads,
+        q=_linear(attn.q_proj), k=_linear(attn.k_proj), v=_linear(attn.v_proj), o=_linear(o),
+        num_heads=cfg.num_attention_heads, num_kv_heads=cfg.num_key_value_heads,
         head_dim=head_dim, kv_layer=model.next_kv_layer(), cos=rope[0], sin=rope[1],
         q_norm=_norm(q_norm, cfg, arch), k_norm=_norm(k_norm, cfg, arch), **kw,
     )
@@ -237,9 +264,8 @@ def _lfm2_layer(model: HybridModel, cfg, layer: torch.nn.Module, index: int) -> 
                            arch, scale=attn.scaling)
     else:
         conv = layer.conv
-        mixer = ShortConv(conv.in_proj.weight.detach(), _detached(conv.in_proj.bias), conv.conv.weight.detach()[:, 0],
-                          _detached(conv.conv.bias), conv.out_proj.weight.detach(), _detached(conv.out_proj.bias),
-                          state=model.next_state)
+        mixer = ShortConv(_linear(conv.in_proj), conv.conv.weight.detach()[:, 0], _detached(conv.conv.bias),
+                          _linear(conv.out_proj), state=model.next_state)
         model.add_state(mixer)
     ff = layer.feed_forward
     return HybridLayer(mixer_norm=_norm(layer.operator_norm, cfg, arch), mixer=mixer,
@@ -251,10 +277,10 @@ def _qwen3_5_layer(model: HybridModel, cfg, layer: torch.nn.Module, index: int) 
     if cfg.layer_types[index] == "linear_attention":
         net = layer.linear_attn
         mixer = GatedDeltaNet(
-            in_qkv=net.in_proj_qkv.weight.detach(), in_z=net.in_proj_z.weight.detach(),
-            in_b=net.in_proj_b.weight.detach(), in_a=net.in_proj_a.weight.detach(),
-            conv=net.conv1d.weight.detach()[:, 0], a_log=net.A_log.detach(), dt_bias=net.dt_bias.detach(),
-            norm=Norm(net.norm.weight.detach(), net.norm.variance_epsilon), out_proj=net.out_proj.weight.detach(),
+            in_qkv=_linear(net.in_proj_qkv), in_z=_linear(net.in_proj_z), in_b=_linear(net.in_proj_b),
+            in_a=_linear(net.in_proj_a), conv=net.conv1d.weight.detach()[:, 0], a_log=net.A_log.detach(),
+            dt_bias=net.dt_bias.detach(), norm=Norm(net.norm.weight.detach(), net.norm.variance_epsilon),
+            out_proj=_linear(net.out_proj),
             num_k_heads=net.num_k_heads, num_v_heads=net.num_v_heads, head_k_dim=net.head_k_dim,
             head_v_dim=net.head_v_dim, state=model.next_state,
         )

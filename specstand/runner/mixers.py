@@ -18,6 +18,27 @@ from specstand.runner.state_cache import StateCache
 from specstand.runner.transformer import _AttentionRun, attend, attention_runs
 
 
+class Linear:
+    """y = x W^T (+ b), in the model dtype. Packed for a compiled kernel path (`pack`), every row is
+    computed by the same instruction sequence whatever the row count (batch-invariant by construction,
+    fp32 accumulation); otherwise torch's F.linear, whose row-invariance the start-up probe checks."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
+        self.weight, self.bias = weight, bias
+        self.packed = None  # the kernels' packed copy of `weight`, once packed
+
+    def pack(self, module, isa: int) -> None:
+        self.packed = module.Linear(self.weight, isa)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.packed is None:
+            return F.linear(x, self.weight, self.bias)
+        y = self.packed.forward(x)  # fp32
+        if self.bias is not None:
+            y = y + self.bias.float()
+        return y.to(x.dtype)
+
+
 @dataclass
 class Norm:
     """RMSNorm over the last dim, in fp32. `offset` 1 scales by (1 + weight) in fp32 and rounds once
@@ -70,10 +91,10 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
 
 @dataclass
 class Attention:
-    q: torch.Tensor  # [heads * D (* 2 with a gate: per head, D query dims then D gate dims), hidden]
-    k: torch.Tensor
-    v: torch.Tensor
-    o: torch.Tensor
+    q: Linear  # [heads * D (* 2 with a gate: per head, D query dims then D gate dims), hidden]
+    k: Linear
+    v: Linear
+    o: Linear
     num_heads: int
     num_kv_heads: int
     head_dim: int
@@ -89,13 +110,13 @@ class Attention:
     def __call__(self, x: torch.Tensor, positions: torch.Tensor, ctx: PassContext) -> torch.Tensor:
         batch, width, _ = x.shape
         d = self.head_dim
-        q = F.linear(x, self.q).view(batch, width, self.num_heads, -1)
+        q = self.q(x).view(batch, width, self.num_heads, -1)
         gate = None
         if self.gated:
             q, gate = q.split([d, d], dim=-1)
             gate = gate.reshape(batch, width, -1)
-        k = F.linear(x, self.k).view(batch, width, self.num_kv_heads, d)
-        v = F.linear(x, self.v).view(batch, width, self.num_kv_heads, d)
+        k = self.k(x).view(batch, width, self.num_kv_heads, d)
+        v = self.v(x).view(batch, width, self.num_kv_heads, d)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         cos, sin = self.cos[positions][:, :, None], self.sin[positions][:, :, None]
@@ -112,7 +133,7 @@ class Attention:
         out = torch.stack(outs).to(x.dtype).transpose(1, 2).reshape(batch, width, -1)
         if gate is not None:
             out = out * torch.sigmoid(gate)
-        return F.linear(out, self.o)
+        return self.o(out)
 
 
 def _causal_conv(window: torch.Tensor, weight: torch.Tensor, rows: int) -> torch.Tensor:
@@ -126,24 +147,27 @@ def _causal_conv(window: torch.Tensor, weight: torch.Tensor, rows: int) -> torch
     return out
 
 
+def linears_of(part: object) -> list[Linear]:
+    """The Linear fields of a mixer or MLP."""
+    return [value for value in vars(part).values() if isinstance(value, Linear)]
+
+
 @dataclass
 class ShortConv:
     """LFM2's gated short convolution: B, C, x = in_proj(h); y = out_proj(C * conv(B * x)). Its state
     is the last taps - 1 values of B * x."""
 
-    in_proj: torch.Tensor  # [3 * hidden, hidden]
-    in_bias: torch.Tensor | None
+    in_proj: Linear  # [3 * hidden, hidden]
     conv: torch.Tensor  # [hidden, taps]
     conv_bias: torch.Tensor | None
-    out_proj: torch.Tensor
-    out_bias: torch.Tensor | None
+    out_proj: Linear
     state: int  # index of its state in the cache
 
     def state_specs(self, dtype: torch.dtype) -> list[tuple[tuple[int, ...], torch.dtype]]:
         return [((self.conv.shape[1] - 1, self.conv.shape[0]), dtype)]
 
     def __call__(self, x: torch.Tensor, positions: torch.Tensor, ctx: PassContext) -> torch.Tensor:
-        b_, c_, x_ = F.linear(x, self.in_proj, self.in_bias).chunk(3, dim=-1)
+        b_, c_, x_ = self.in_proj(x).chunk(3, dim=-1)
         bx = b_ * x_
         taps = self.conv.shape[1]
         outs = []
@@ -155,7 +179,7 @@ class ShortConv:
             outs.append(conv.to(x.dtype))
             kept = ctx.rows_to_keep(start, real)
             ctx.cache.record(slot, self.state, start, {t: window[t + 1 : t + taps] for t in kept})
-        return F.linear(c_ * torch.stack(outs), self.out_proj, self.out_bias)
+        return self.out_proj(c_ * torch.stack(outs))
 
 
 @dataclass
@@ -164,15 +188,15 @@ class GatedDeltaNet:
     delta rule S <- S * exp(g) + k (beta (v - S^T k))^T, read out as S^T q, then a gated RMSNorm (SiLU of
     z) and out_proj. State: the conv's last taps - 1 inputs and S [value heads, dk, dv] in fp32."""
 
-    in_qkv: torch.Tensor  # [2 * key_dim + value_dim, hidden]
-    in_z: torch.Tensor  # [value_dim, hidden]
-    in_b: torch.Tensor  # [value heads, hidden]
-    in_a: torch.Tensor
+    in_qkv: Linear  # [2 * key_dim + value_dim, hidden]
+    in_z: Linear  # [value_dim, hidden]
+    in_b: Linear  # [value heads, hidden]
+    in_a: Linear
     conv: torch.Tensor  # [2 * key_dim + value_dim, taps]
     a_log: torch.Tensor  # [value heads]
     dt_bias: torch.Tensor
     norm: Norm  # over dv, then * silu(z)
-    out_proj: torch.Tensor
+    out_proj: Linear
     num_k_heads: int
     num_v_heads: int
     head_k_dim: int
@@ -185,10 +209,10 @@ class GatedDeltaNet:
 
     def __call__(self, x: torch.Tensor, positions: torch.Tensor, ctx: PassContext) -> torch.Tensor:
         batch, width, _ = x.shape
-        mixed = F.linear(x, self.in_qkv)
-        z = F.linear(x, self.in_z).view(batch, width, self.num_v_heads, self.head_v_dim)
-        beta = torch.sigmoid(F.linear(x, self.in_b)).float()
-        decay = -self.a_log.float().exp() * F.softplus(F.linear(x, self.in_a).float() + self.dt_bias.float())
+        mixed = self.in_qkv(x)
+        z = self.in_z(x).view(batch, width, self.num_v_heads, self.head_v_dim)
+        beta = torch.sigmoid(self.in_b(x)).float()
+        decay = -self.a_log.float().exp() * F.softplus(self.in_a(x).float() + self.dt_bias.float())
         taps = self.conv.shape[1]
         outs = []
         for b, (slot, start, real) in enumerate(zip(ctx.slots, ctx.start_positions, ctx.real_rows, strict=True)):
@@ -201,7 +225,7 @@ class GatedDeltaNet:
             outs.append(out)
         core = torch.stack(outs)  # [B, T, value heads, dv] fp32
         gated = self.norm(core) * F.silu(z.float())
-        return F.linear(gated.to(x.dtype).reshape(batch, width, -1), self.out_proj)
+        return self.out_proj(gated.to(x.dtype).reshape(batch, width, -1))
 
     def _delta_rule(self, qkv: torch.Tensor, beta: torch.Tensor, decay: torch.Tensor, state: torch.Tensor,
                     real: int) -> tuple[torch.Tensor, list[torch.Tensor]]:

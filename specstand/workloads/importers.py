@@ -112,20 +112,30 @@ def _chars(call: Call) -> int:
     return sum(len(m["content"]) for m in call.messages or []) + len(call.prompt or "")
 
 
-def import_spec_bench(path: Path, limit: int | None, max_prompt_chars: int, max_tokens: int) -> list[Turn]:
+def import_spec_bench(path: Path, limit: int | None, max_prompt_chars: int, max_tokens: int,
+                      plain: bool = False, per_category: int | None = None) -> list[Turn]:
+    """Spec-Bench's first question of each row as a one-call turn: a chat message, or with `plain` the
+    question as a plain-text prompt (for base models without a chat template); with `per_category`, at
+    most that many of each category (the file lists them category by category)."""
     if not path.is_file():
         raise WorkloadError(f"Spec-Bench questions not found at {path}")
-    turns = []
+    turns: list[Turn] = []
+    taken: dict[str, int] = {}
     for number, row in enumerate(_jsonl(path), start=1):
         turns_of_row = row.get("turns") if isinstance(row, dict) else None
         if not (isinstance(turns_of_row, list) and turns_of_row and isinstance(turns_of_row[0], str)
                 and "question_id" in row):
             raise WorkloadError(f"{path}:{number}: a Spec-Bench row needs 'question_id' and a list of 'turns'")
         question = turns_of_row[0]
-        if len(question) > max_prompt_chars:
+        category = row.get("category", "")
+        if len(question) > max_prompt_chars or taken.get(category, 0) == per_category:
             continue
-        call = Call(id="q", stage=row.get("category", ""), messages=[{"role": "user", "content": question}],
-                    max_tokens=max_tokens)
+        taken[category] = taken.get(category, 0) + 1
+        if plain:
+            call = Call(id="q", stage=category, prompt=question, max_tokens=max_tokens)
+        else:
+            call = Call(id="q", stage=category, messages=[{"role": "user", "content": question}],
+                        max_tokens=max_tokens)
         turns.append(Turn(f"spec-bench-{row['question_id']}", [call], "spec-bench"))
         if limit is not None and len(turns) >= limit:
             break

@@ -8,11 +8,12 @@ import pytest
 
 from specstand.drafters import DRAFTERS, make_drafter
 from specstand.engine import Engine, EngineConfig, Request
+from specstand.engine import engine as engine_module
 from specstand.runner.kv_cache import KVCache
 from specstand.runner.state_cache import StateCache
 from specstand.verification import SamplingParams
-from tests.conftest import DTYPES, HYBRID_FAMILIES, RECURRENT_FAMILIES, random_prompts, tiny_hybrid
-from tests.engine.test_lossless import K, ScriptedDrafter
+from tests.conftest import DTYPES, HYBRID_FAMILIES, RECURRENT_FAMILIES, FixedCost, random_prompts, tiny_hybrid
+from tests.engine.test_lossless import NUMERICS, K, ScriptedDrafter
 from tests.engine.test_sampling import PARAMS, FixedDrafter, assert_follows_the_joint_law, exact_joint
 
 
@@ -33,10 +34,10 @@ def broken_rollback(self: StateCache, slot: int, length: int) -> None:
         self.checkpoints[slot][length] = stale
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(("dtype", "forward"), NUMERICS)
 @pytest.mark.parametrize("family", HYBRID_FAMILIES)
-def test_every_drafter_is_token_identical_to_plain_greedy(family, dtype):
-    model = tiny_hybrid(family, DTYPES[dtype])
+def test_every_drafter_is_token_identical_to_plain_greedy(family, dtype, forward):
+    model = tiny_hybrid(family, DTYPES[dtype], forward=forward)
     prompts = random_prompts(6, 40, seed=3)
     baseline = _outputs(_engine(model, None), prompts)
     for method in DRAFTERS:
@@ -97,3 +98,16 @@ def test_sampling_with_drafts_follows_the_targets_joint_law(family):
     results = engine.generate([Request(prompt, 3, SamplingParams(**PARAMS, seed=seed)) for seed in range(samples)])
     assert sum(r.stats.accepted_tokens for r in results) > samples // 10  # verification was exercised
     assert_follows_the_joint_law([r.output_ids for r in results], joint)
+
+
+@pytest.mark.parametrize("family", RECURRENT_FAMILIES)
+def test_adaptive_verification_cuts_drafts_not_answers(family, monkeypatch):
+    """Adaptive verification keeps a prefix of each draft: rollbacks land anywhere in a pass."""
+    monkeypatch.setattr(engine_module, "profile_pass_cost", lambda *profile_args: FixedCost([1, 16], [1.0, 1.6]))
+    model = tiny_hybrid(family)
+    prompts = random_prompts(4, 40, seed=9)
+    baseline = _outputs(_engine(model, None), prompts)
+    engine = Engine(model, make_drafter("suffix"), EngineConfig(K, 512, 3, adaptive=True))
+    results = engine.generate([Request(p, 48) for p in prompts])
+    assert [r.output_ids for r in results] == baseline
+    assert sum(r.stats.accepted_tokens for r in results) > 0

@@ -3,12 +3,15 @@ state cache's exact rollback."""
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 
 from specstand.runner import PassInput, TargetRunner
+from specstand.runner.exactness import row_unit
 from specstand.runner.hybrid import HybridModel
-from tests.conftest import HYBRID_FAMILIES, RECURRENT_FAMILIES, VOCAB, tiny_hybrid_hf_model
+from tests.conftest import HYBRID_FAMILIES, KERNEL_PATHS, RECURRENT_FAMILIES, VOCAB, tiny_hybrid_hf_model
 
 # fp32 logits of a tiny model against transformers' own forward: the same math in another order (our
 # fp32 RoPE and token-by-token recurrences against its chunked ones)
@@ -80,3 +83,27 @@ def test_sliding_window_layers_see_only_their_window():
         slot = runner.cache.allocate()
         out.append(runner.prefill(slot, tokens).logits)
     assert torch.equal(out[0], out[1])
+
+
+@pytest.mark.parametrize("forward", KERNEL_PATHS)
+@pytest.mark.parametrize("family", HYBRID_FAMILIES)
+def test_compiled_linears_keep_bf16_close_and_rows_invariant(family, forward):
+    """bf16 logits through the compiled linears are about as close to the fp32 module as transformers'
+    own bf16 forward (within 1.25x of its error), and a row computes the same in passes of 1..16 rows
+    (row_unit 1 at K = 15, where torch's bf16 linears need padding on some CPUs)."""
+    hf = tiny_hybrid_hf_model(family)
+    tokens = _tokens(60, seed=5)
+    with torch.no_grad():
+        exact = hf(torch.tensor([tokens])).logits[0, 39:59]
+        theirs = copy.deepcopy(hf).to(torch.bfloat16)(torch.tensor([tokens])).logits[0, 39:59].float()
+    model = HybridModel(copy.deepcopy(hf).to(torch.bfloat16), 256)
+    assert model.attach_kernels(forward) == forward
+    runner = TargetRunner(model, 2, 256)
+    slot = runner.cache.allocate()
+    logits = [runner.prefill(slot, tokens[:40]).logits]
+    for position in range(40, 59, 4):
+        logits.append(runner.run([PassInput(slot, tokens[position : position + 4])], 4)[0].logits)
+    ours = torch.cat(logits)[:19]
+    assert (ours - exact[:19]).abs().max() <= 1.25 * (theirs[:19] - exact[:19]).abs().max()
+    runner.cache.release(slot)
+    assert row_unit(runner, 16) == 1

@@ -61,3 +61,9 @@ def test_spec_bench(tmp_path):
     turns = import_spec_bench(path, limit=None, max_prompt_chars=200, max_tokens=32)
     assert [t.turn_id for t in turns] == ["spec-bench-0", "spec-bench-1", "spec-bench-3"]
     assert turns[0].calls[0].messages == [{"role": "user", "content": "question 0"}]
+    plain = import_spec_bench(path, limit=None, max_prompt_chars=200, max_tokens=32, plain=True)
+    assert plain[0].calls[0].prompt == "question 0" and not plain[0].calls[0].messages
+    rows.append({"question_id": 9, "category": "math", "turns": ["sum"]})
+    path.write_text("\n".join(json.dumps(r) for r in rows))
+    sampled = import_spec_bench(path, limit=None, max_prompt_chars=200, max_tokens=32, per_category=1)
+    assert [t.turn_id for t in sampled] == ["spec-bench-0", "spec-bench-9"]

@@ -21,6 +21,8 @@ from transformers import (
     Qwen3_5TextConfig,
     Qwen3Config,
     Qwen3ForCausalLM,
+    Qwen3NextConfig,
+    Qwen3NextForCausalLM,
 )
 
 from specstand import kernels
@@ -184,8 +186,13 @@ HYBRID_FAMILIES = {
         **HYBRID_COMMON, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,
         linear_value_head_dim=16, layer_types=["linear_attention", "full_attention", "linear_attention",
                                                "linear_attention"])),
+    "qwen3_next": (Qwen3NextForCausalLM, lambda: Qwen3NextConfig(
+        **HYBRID_COMMON, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,
+        linear_value_head_dim=16, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+        shared_expert_intermediate_size=32,
+        layer_types=["linear_attention", "full_attention", "linear_attention", "linear_attention"])),
 }
-RECURRENT_FAMILIES = ("lfm2", "qwen3_5")  # the ones with state a length-based rollback cannot undo
+RECURRENT_FAMILIES = ("lfm2", "qwen3_5", "qwen3_next")  # the ones with state a length-based rollback cannot undo
 
 
 def tiny_hybrid_hf_model(family: str, dtype: torch.dtype = torch.float32, seed: int = 0) -> torch.nn.Module:

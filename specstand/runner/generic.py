@@ -49,9 +49,12 @@ class ModuleCache(KVCache):
         if cache is None or held == length:
             return
         if length and getattr(cache, "is_croppable", False):
-            cache.crop(length - held)  # a negative count removes that many positions
-        else:
-            self.module_caches[slot] = None  # recomputed from self.tokens on the slot's next pass
+            try:
+                cache.crop(length - held)  # a negative count removes that many positions
+                return
+            except (RuntimeError, ValueError):  # a layer that keeps no past states cannot go back
+                pass
+        self.module_caches[slot] = None  # recomputed from self.tokens on the slot's next pass
 
     def copy_prefix(self, src: int, dst: int, length: int) -> None:
         raise ValueError("the fallback forward does not share cached prefixes")

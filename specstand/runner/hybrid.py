@@ -1,6 +1,7 @@
 """Decoders whose layers are not all Llama attention: Gemma 3 (sliding-window layers beside global
-ones, sandwich norms), LFM2 (gated short convolutions beside GQA) and Qwen3.5 (Gated DeltaNet beside
-gated attention), written on the Hugging Face weights like transformer.py.
+ones, sandwich norms), LFM2 (gated short convolutions beside GQA), Qwen3.5 (Gated DeltaNet beside gated
+attention) and Qwen3-Next (the same layers, with sparse experts), written on the Hugging Face weights like
+transformer.py.
 
 The runner sees the same interface as DecoderModel (`new_cache`, `forward`, `shape`, `weights`). Their
 cache is a StateCache: K/V for the attention layers and, for recurrent layers, a state per slot with a
@@ -38,11 +39,49 @@ class GatedMLP:
 
 
 @dataclass
+class SparseMoE:
+    """Qwen3-Next's MLP: each row's top-k experts by softmax router weight (renormalised where the model
+    says so), summed in expert order, plus a shared expert scaled by a sigmoid gate. A row's experts and
+    their order depend on the row alone. How many rows an expert gets depends on the others in the pass,
+    so an expert runs on all its rows at once only where its linears are packed (batch-invariant);
+    on torch's linears it runs one row at a time."""
+
+    router: Linear  # [experts, hidden]
+    experts: list[GatedMLP]
+    top_k: int
+    normalise: bool
+    shared: GatedMLP
+    shared_gate: Linear  # [1, hidden]
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.reshape(-1, x.shape[-1])
+        weights, chosen = torch.topk(torch.softmax(self.router(rows).float(), dim=-1), self.top_k, dim=-1)
+        if self.normalise:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        weights = weights.to(x.dtype)
+        out = torch.zeros_like(rows)
+        for index in chosen.unique().tolist():  # ascending: every row sums its experts in the same order
+            row, slot = torch.nonzero(chosen == index, as_tuple=True)
+            expert = self.experts[index]
+            if expert.down.packed is not None:
+                y = expert(rows[row])
+            else:
+                y = torch.cat([expert(rows[r : r + 1]) for r in row.tolist()])
+            out.index_add_(0, row, y * weights[row, slot, None])
+        out = out + torch.sigmoid(self.shared_gate(rows)) * self.shared(rows)
+        return out.reshape(x.shape)
+
+    def linears(self) -> list[Linear]:
+        return [self.router, self.shared_gate, *linears_of(self.shared),
+                *(lin for expert in self.experts for lin in linears_of(expert))]
+
+
+@dataclass
 class HybridLayer:
     mixer_norm: Norm
     mixer: Mixer
     mlp_norm: Norm
-    mlp: GatedMLP
+    mlp: GatedMLP | SparseMoE
     post_mixer_norm: Norm | None = None  # Gemma's sandwich norms
     post_mlp_norm: Norm | None = None
 
@@ -94,7 +133,7 @@ class HybridModel:
         self.shape = ModelShape(
             num_layers=cfg.num_hidden_layers, hidden_size=cfg.hidden_size, num_heads=cfg.num_attention_heads,
             num_kv_heads=cfg.num_key_value_heads, head_dim=head_dim, vocab_size=hf_model.lm_head.weight.shape[0],
-            rms_eps=_eps(cfg), intermediate_size=mlp.down.weight.shape[1],
+            rms_eps=_eps(cfg), intermediate_size=_mlp_width(mlp),
         )
         final = inner.norm if hasattr(inner, "norm") else inner.embedding_norm  # LFM2 names it embedding_norm
         self.weights = HybridWeights(
@@ -109,9 +148,11 @@ class HybridModel:
 
     def linears(self) -> list[Linear]:
         """Every projection a pass applies: each layer's mixer and MLP, and the head."""
-        layers = self.weights.layers
-        return [lin for layer in layers for part in (layer.mixer, layer.mlp) for lin in linears_of(part)] + [
-            self.weights.head]
+        found = []
+        for layer in self.weights.layers:
+            found += linears_of(layer.mixer)
+            found += layer.mlp.linears() if isinstance(layer.mlp, SparseMoE) else linears_of(layer.mlp)
+        return [*found, self.weights.head]
 
     def linear_weights(self) -> list[torch.Tensor]:
         """The matrices a decode pass reads (every layer's projections and the head)."""
@@ -199,12 +240,16 @@ class HybridModel:
         return logits, taps
 
 
+def _mlp_width(mlp: GatedMLP | SparseMoE) -> int:
+    return (mlp.shared if isinstance(mlp, SparseMoE) else mlp).down.weight.shape[1]
+
+
 def _eps(cfg) -> float:
     return getattr(cfg, "rms_norm_eps", None) or cfg.norm_eps
 
 
 def _norm_offset(arch: str) -> float:
-    return 0.0 if arch == "Lfm2ForCausalLM" else 1.0  # Gemma and Qwen3.5 scale by (1 + weight)
+    return 0.0 if arch == "Lfm2ForCausalLM" else 1.0  # Gemma, Qwen3.5 and Qwen3-Next scale by (1 + weight)
 
 
 def _detached(t: torch.Tensor | None) -> torch.Tensor | None:
@@ -276,27 +321,79 @@ def _qwen3_5_layer(model: HybridModel, cfg, layer: torch.nn.Module, index: int) 
     arch = "Qwen3_5ForCausalLM"
     if cfg.layer_types[index] == "linear_attention":
         net = layer.linear_attn
-        mixer = GatedDeltaNet(
-            in_qkv=_linear(net.in_proj_qkv), in_z=_linear(net.in_proj_z), in_b=_linear(net.in_proj_b),
-            in_a=_linear(net.in_proj_a), conv=net.conv1d.weight.detach()[:, 0], a_log=net.A_log.detach(),
-            dt_bias=net.dt_bias.detach(), norm=Norm(net.norm.weight.detach(), net.norm.variance_epsilon),
-            out_proj=_linear(net.out_proj),
-            num_k_heads=net.num_k_heads, num_v_heads=net.num_v_heads, head_k_dim=net.head_k_dim,
-            head_v_dim=net.head_v_dim, state=model.next_state,
-        )
-        model.add_state(mixer)
+        mixer = _delta_net(model, net, _linear(net.in_proj_qkv), _linear(net.in_proj_z), _linear(net.in_proj_b),
+                           _linear(net.in_proj_a))
     else:
-        attn = layer.self_attn
-        mixer = _attention(model, attn, cfg, model.rope_tables(model.rotary), attn.q_norm, attn.k_norm, arch,
-                           scale=attn.scaling, gated=True)
+        mixer = _gated_attention(model, layer.self_attn, cfg, arch)
     mlp = layer.mlp
     return HybridLayer(mixer_norm=_norm(layer.input_layernorm, cfg, arch), mixer=mixer,
                        mlp_norm=_norm(layer.post_attention_layernorm, cfg, arch),
                        mlp=_mlp(mlp.gate_proj, mlp.up_proj, mlp.down_proj, cfg.hidden_act))
 
 
+def _qwen3_next_layer(model: HybridModel, cfg, layer: torch.nn.Module, index: int) -> HybridLayer:
+    """Qwen3-Next: Qwen3.5's layers with the DeltaNet projections fused per key head, and sparse experts."""
+    arch = "Qwen3NextForCausalLM"
+    if cfg.layer_types[index] == "linear_attention":
+        mixer = _delta_net(model, layer.linear_attn, *_unfused_qkvz_ba(layer.linear_attn))
+    else:
+        mixer = _gated_attention(model, layer.self_attn, cfg, arch)
+    mlp = layer.mlp
+    if hasattr(mlp, "experts"):
+        experts = mlp.experts
+        act = cfg.hidden_act
+        moe = SparseMoE(
+            router=Linear(mlp.gate.weight.detach()),
+            experts=[GatedMLP(Linear(experts.gate_up_proj[e].detach()), Linear(experts.down_proj[e].detach()),
+                              ACTIVATIONS[act]) for e in range(experts.num_experts)],
+            top_k=mlp.gate.top_k, normalise=mlp.gate.norm_topk_prob,
+            shared=_mlp(mlp.shared_expert.gate_proj, mlp.shared_expert.up_proj, mlp.shared_expert.down_proj, act),
+            shared_gate=_linear(mlp.shared_expert_gate),
+        )
+    else:
+        moe = _mlp(mlp.gate_proj, mlp.up_proj, mlp.down_proj, cfg.hidden_act)
+    return HybridLayer(mixer_norm=_norm(layer.input_layernorm, cfg, arch), mixer=mixer,
+                       mlp_norm=_norm(layer.post_attention_layernorm, cfg, arch), mlp=moe)
+
+
+def _gated_attention(model: HybridModel, attn: torch.nn.Module, cfg, arch: str) -> Attention:
+    return _attention(model, attn, cfg, model.rope_tables(model.rotary), attn.q_norm, attn.k_norm, arch,
+                      scale=attn.scaling, gated=True)
+
+
+def _delta_net(model: HybridModel, net: torch.nn.Module, in_qkv: Linear, in_z: Linear, in_b: Linear,
+               in_a: Linear) -> GatedDeltaNet:
+    mixer = GatedDeltaNet(
+        in_qkv=in_qkv, in_z=in_z, in_b=in_b, in_a=in_a, conv=net.conv1d.weight.detach()[:, 0],
+        a_log=net.A_log.detach(), dt_bias=net.dt_bias.detach(),
+        norm=Norm(net.norm.weight.detach(), net.norm.variance_epsilon), out_proj=_linear(net.out_proj),
+        num_k_heads=net.num_k_heads, num_v_heads=net.num_v_heads, head_k_dim=net.head_k_dim,
+        head_v_dim=net.head_v_dim, state=model.next_state,
+    )
+    model.add_state(mixer)
+    return mixer
+
+
+def _unfused_qkvz_ba(net: torch.nn.Module) -> tuple[Linear, Linear, Linear, Linear]:
+    """Qwen3-Next's in_proj_qkvz holds, per key head, [q (dk), k (dk), v (r dv), z (r dv)] (r value heads
+    per key head), and in_proj_ba per key head [b (r), a (r)]: regroup the rows as Qwen3.5 lays them out
+    (all q, all k, all v; z; b; a), which changes no output but its order."""
+    nk, dk, dv, r = net.num_k_heads, net.head_k_dim, net.head_v_dim, net.num_v_heads // net.num_k_heads
+    qkvz = net.in_proj_qkvz.weight.detach().view(nk, 2 * dk + 2 * r * dv, -1)
+    q, k, v, z = qkvz.split([dk, dk, r * dv, r * dv], dim=1)
+    ba = net.in_proj_ba.weight.detach().view(nk, 2 * r, -1)
+    b, a = ba.split([r, r], dim=1)
+    return Linear(torch.cat([_rows(q), _rows(k), _rows(v)])), Linear(_rows(z)), Linear(_rows(b)), Linear(_rows(a))
+
+
+def _rows(grouped: torch.Tensor) -> torch.Tensor:
+    """[groups, rows per group, hidden] -> [rows, hidden], groups in order."""
+    return grouped.reshape(-1, grouped.shape[-1]).contiguous()
+
+
 FAMILIES: dict[str, Callable[[HybridModel, object, torch.nn.Module, int], HybridLayer]] = {
     "Gemma3ForCausalLM": _gemma3_layer,
     "Lfm2ForCausalLM": _lfm2_layer,
     "Qwen3_5ForCausalLM": _qwen3_5_layer,
+    "Qwen3NextForCausalLM": _qwen3_next_layer,
 }

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import sys
 import time
@@ -121,6 +122,12 @@ def _training_parsers(commands) -> None:
     data.add_argument("--limit-calls", type=int, default=None, help="answer at most this many calls")
     data.add_argument("--temperature", type=float, default=0.0, help="0: greedy answers")
     data.add_argument("--seed", type=int, default=0)
+    data.add_argument("--samples", type=int, default=1, help="answers per call (needs --temperature > 0)")
+    data.add_argument("--method", default="suffix", choices=["none", "ngram", "suffix"],
+                      help="training-free drafter that speeds answering up (lossless: the answers do not change)")
+    data.add_argument("--k", type=int, default=5, help="draft tokens verified per pass")
+    data.add_argument("--endpoint", default=None, metavar="URL",
+                      help="take the answers from this OpenAI-compatible server (vLLM, SGLang, specstand) instead")
     data.add_argument("--max-batch", type=int, default=4)
     data.add_argument("--dtype", default="bf16", choices=["bf16", "fp32"])
     data.add_argument("--max-seq-len", type=int, default=2048)
@@ -482,13 +489,27 @@ def cmd_bench(args: argparse.Namespace) -> None:
 
 
 def cmd_train_data(args: argparse.Namespace) -> None:
+    import httpx
+
+    from specstand.drafters import make_drafter
     from specstand.models import load_model
-    from specstand.training.data import HELDOUT_WORKLOAD, generate_rows, heldout_turn, save_rows
+    from specstand.training.data import (
+        HELDOUT_WORKLOAD,
+        EndpointError,
+        PartialRows,
+        generate_rows,
+        heldout_turn,
+        save_rows,
+    )
     from specstand.verification import SamplingParams
     from specstand.workloads import load_workload, save_workload
 
     if not 0 <= args.heldout < 1:
         raise CliError("--heldout must be in [0, 1)")
+    if args.samples < 1 or (args.samples > 1 and args.temperature == 0):
+        raise CliError("--samples must be >= 1, and above 1 only with --temperature > 0")
+    if args.k < 1:
+        raise CliError("--k must be >= 1")
     turns = [turn for path in args.workload for turn in load_workload(path)]
     if args.limit_calls is not None:
         kept, count = [], 0
@@ -502,12 +523,31 @@ def cmd_train_data(args: argparse.Namespace) -> None:
         raise CliError("no call to answer (raise --limit-calls)")
     model = load_model(args.model, args.dtype, args.max_seq_len, log=_log)
     sampling = SamplingParams(args.temperature, seed=args.seed)
+    # what decides the rows: a resumed run must have the same, or its partial rows would mix two runs
+    calls = hashlib.sha256(json.dumps([[t.turn_id, c.id] for t in turns for c in t.calls]).encode()).hexdigest()
+    config = {"model": args.model, "dtype": args.dtype, "calls": calls, "temperature": args.temperature,
+              "seed": args.seed, "samples": args.samples, "heldout_share": args.heldout,
+              "max_seq_len": model.max_positions}
+    try:
+        partial = PartialRows(args.out, config)
+    except ValueError as error:
+        raise CliError(str(error)) from None
+    if partial.rows:
+        _log(f"resuming: {len(partial.rows)} answers already in {partial.path}")
+    drafter = make_drafter(args.method)
     started = time.perf_counter()
-    rows = generate_rows(model, turns, args.heldout, sampling, args.max_batch, model.max_positions)
+    try:
+        rows = generate_rows(model, turns, args.heldout, sampling, args.max_batch, model.max_positions, drafter,
+                             args.k, args.samples, partial, args.endpoint)
+    except (EndpointError, httpx.HTTPError) as error:
+        raise CliError(f"the endpoint failed ({error}); the answers so far are kept: rerun to resume") from None
+    finally:
+        partial.close()
     meta = {"model": args.model, "dtype": args.dtype, "workloads": [str(p) for p in args.workload],
-            "temperature": args.temperature, "heldout_share": args.heldout,
-            "seconds": round(time.perf_counter() - started)}
+            "temperature": args.temperature, "samples": args.samples, "heldout_share": args.heldout,
+            "drafter": args.method, "endpoint": args.endpoint, "seconds": round(time.perf_counter() - started)}
     save_rows(args.out, rows, meta)
+    partial.path.unlink()
     save_workload([t for t in turns if heldout_turn(t.turn_id, args.heldout)], args.out / HELDOUT_WORKLOAD)
     _log(f"wrote {len(rows)} rows ({sum(r.split == 'heldout' for r in rows)} held out) to {args.out}; "
          f"the held-out turns, to bench on: {args.out / HELDOUT_WORKLOAD}")

@@ -11,10 +11,11 @@ from specstand.runner.compiled import CompiledDecoder
 from specstand.runner.kv_cache import PREFILL_BLOCK
 from specstand.runner.transformer import ATTENTION_BUCKET, DecoderModel
 
-__all__ = ["PREFILL_BLOCK", "PROMPT_CHUNK", "PassInput", "PassOutput", "TargetRunner"]
 # Rows per compiled prompt pass: the linears then stream their weights once for many rows, and only the
 # last pass of a prompt computes logits (one row).
 PROMPT_CHUNK = 512
+
+__all__ = ["PREFILL_BLOCK", "PROMPT_CHUNK", "PassInput", "PassOutput", "TargetRunner"]
 
 
 @dataclass

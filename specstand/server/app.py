@@ -103,7 +103,7 @@ class ChatCompletionRequest(_Sampling):
 
 
 class CompletionRequest(_Sampling):
-    prompt: str = Field(min_length=1)
+    prompt: str | list[int] = Field(min_length=1)  # text, or token ids as the OpenAI API allows
 
 
 class _Refused(Exception):
@@ -249,6 +249,11 @@ def create_app(model: LoadedModel, worker: EngineWorker, served_name: str,
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, http: HttpRequest) -> Response:
         _check(body)
+        if isinstance(body.prompt, list):  # token ids: used as they are (what train-data --endpoint sends)
+            vocab = model.decoder.shape.vocab_size
+            if not all(0 <= t < vocab for t in body.prompt):
+                raise _Refused(400, f"prompt token ids must be in [0, {vocab})", "prompt")
+            return await _complete(body, list(body.prompt), http, chat=False)
         return await _complete(body, await tokenize(model.encode_prompt, body.prompt), http, chat=False)
 
     def _check(body: _Sampling) -> None:

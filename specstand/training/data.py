@@ -1,17 +1,25 @@
 """`specstand train-data`: the target itself answers every call of a workload, so a drafter learns this
 model's continuations, not a reference text. A row keeps prompt and response token ids (the loss is on
-response tokens only); the held-out split is by turn, so no turn's calls sit on both sides."""
+response tokens only); the held-out split is by turn, so no turn's calls sit on both sides.
+
+Answers come from specstand's own engine in batches, sped up by a training-free drafter (lossless: the
+answers are the target's own). Each finished answer is appended to a partial file as it comes, so a
+killed run resumes where it stopped, without duplicate or lost rows; sampled answers (several per call)
+draw from a seed of their own per (call, sample), so a resumed run samples what an uninterrupted one would."""
 
 from __future__ import annotations
 
 import hashlib
 import json
 import os
-from dataclasses import asdict, dataclass
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor, as_completed
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 from tqdm import tqdm
 
+from specstand.drafters import Drafter
 from specstand.engine import Engine, EngineConfig, Request
 from specstand.models import LoadedModel
 from specstand.verification import SamplingParams
@@ -19,6 +27,7 @@ from specstand.workloads import Turn
 
 ROWS = "rows.jsonl"
 META = "meta.json"
+PARTIAL = ".rows.partial.jsonl"  # the rows of a run in progress; gone once rows.jsonl is written
 HELDOUT_WORKLOAD = "heldout.jsonl"  # the held-out turns as a workload, for `specstand bench`
 
 
@@ -29,6 +38,47 @@ class TrainRow:
     split: str  # train | heldout
     prompt_ids: list[int]
     response_ids: list[int]
+    sample: int = 0  # which of the call's sampled answers (always 0 for greedy ones)
+
+    @property
+    def key(self) -> tuple[str, str, int]:
+        return self.turn_id, self.call_id, self.sample
+
+
+class PartialRows:
+    """The rows of a run in progress in `folder`, one JSON line each, appended and flushed as answers
+    finish. Its first line is the run's configuration: a resumed run must match it. A torn last line (the
+    process killed mid-write) is dropped on opening."""
+
+    def __init__(self, folder: Path, config: dict) -> None:
+        folder.mkdir(parents=True, exist_ok=True)
+        self.path = folder / PARTIAL
+        self.rows: list[TrainRow] = []
+        lines = self.path.read_text().split("\n") if self.path.is_file() else []
+        if lines and lines[0]:
+            if json.loads(lines[0]) != {"config": config}:
+                raise ValueError(f"{self.path} holds rows of another configuration; remove it or write elsewhere")
+            for line in lines[1:]:
+                try:
+                    self.rows.append(TrainRow(**json.loads(line)))
+                except (json.JSONDecodeError, TypeError):
+                    break  # the torn tail of a killed write; everything before it is whole
+        good = [json.dumps({"config": config})] + [json.dumps(asdict(row)) for row in self.rows]
+        self.path.write_text("\n".join(good) + "\n")
+        self._file = self.path.open("a")
+
+    def append(self, row: TrainRow) -> None:
+        self._file.write(json.dumps(asdict(row)) + "\n")
+        self._file.flush()
+        os.fsync(self._file.fileno())
+
+    def close(self) -> None:
+        self._file.close()
+
+
+def call_seed(seed: int, turn_id: str, call_id: str, sample: int) -> int:
+    """A sampled answer's own seed: the same whatever else is answered in the run, or in which order."""
+    return int(hashlib.sha256(f"{seed}/{turn_id}/{call_id}/{sample}".encode()).hexdigest()[:15], 16)
 
 
 def heldout_turn(turn_id: str, fraction: float) -> bool:
@@ -41,31 +91,101 @@ def prompt_ids(model: LoadedModel, call) -> list[int]:
     return model.encode_messages(call.messages, call.tools) if call.messages else model.encode_prompt(call.prompt)
 
 
+@dataclass
+class _Job:
+    """One answer to get: a call's prompt ids, its budget and sampling (a seed of its own when sampled)."""
+
+    turn_id: str
+    call_id: str
+    sample: int
+    prompt_ids: list[int]
+    max_tokens: int
+    sampling: SamplingParams
+
+
 def generate_rows(model: LoadedModel, turns: list[Turn], heldout: float, sampling: SamplingParams,
-                  max_batch: int, max_seq_len: int) -> list[TrainRow]:
-    """Answer every call (batched, no drafter: the answers are the target's, greedy by default)."""
-    engine = Engine(model.decoder, None, EngineConfig(0, max_seq_len, max_batch))
-    calls = [(turn, call) for turn in turns for call in turn.calls]
-    pending: dict[int, tuple] = {}
-    for turn, call in calls:
+                  max_batch: int, max_seq_len: int, drafter: Drafter | None = None, k: int = 5, samples: int = 1,
+                  partial: PartialRows | None = None, endpoint: str | None = None) -> list[TrainRow]:
+    """Answer every call `samples` times, greedy by default: with specstand's engine in batches of
+    `max_batch` (`drafter` speeds it up without changing an answer), or from the OpenAI-compatible server
+    at `endpoint` (`max_batch` calls at a time). Rows already in `partial` are kept, not answered again,
+    and new ones are appended to it as they come."""
+    if samples > 1 and sampling.greedy:
+        raise ValueError("several answers per call need sampling (temperature > 0)")
+    wanted = [(turn, call, sample) for turn in turns for call in turn.calls for sample in range(samples)]
+    rows = list(partial.rows) if partial is not None else []
+    done = {row.key for row in rows}
+    jobs = []
+    for turn, call, sample in wanted:
+        if (turn.turn_id, call.id, sample) in done:
+            continue
         ids = prompt_ids(model, call)
         max_tokens = min(call.max_tokens, max_seq_len - len(ids) - 1)
         if max_tokens < 1:
             continue  # the prompt alone fills the context
-        request_id = engine.add_request(Request(ids, max_tokens, sampling, model.stop_token_ids))
-        pending[request_id] = (turn, call, ids)
-    rows = []
-    with tqdm(total=len(pending), desc="answering", unit="call") as bar:
-        while engine.has_work:
-            for event in engine.step():
-                if event.finished is None:
-                    continue
-                turn, call, ids = pending[event.request_id]
-                split = "heldout" if heldout_turn(turn.turn_id, heldout) else "train"
-                rows.append(TrainRow(turn.turn_id, call.id, split, ids, event.finished.output_ids))
-                bar.update()
-    order = {(t.turn_id, c.id): i for i, (t, c) in enumerate(calls)}
-    return sorted(rows, key=lambda r: order[(r.turn_id, r.call_id)])
+        params = sampling if sampling.greedy else replace(
+            sampling, seed=call_seed(sampling.seed or 0, turn.turn_id, call.id, sample))
+        jobs.append(_Job(turn.turn_id, call.id, sample, ids, max_tokens, params))
+    answers = (_answer_remotely(endpoint, jobs, max_batch) if endpoint else
+               _answer_locally(model, jobs, drafter, k, max_batch, max_seq_len))
+    with tqdm(total=len(jobs) + len(rows), initial=len(rows), desc="answering", unit="call") as bar:
+        for job, output_ids in answers:
+            split = "heldout" if heldout_turn(job.turn_id, heldout) else "train"
+            row = TrainRow(job.turn_id, job.call_id, split, job.prompt_ids, output_ids, job.sample)
+            rows.append(row)
+            if partial is not None:
+                partial.append(row)
+            bar.update()
+    order = {(t.turn_id, c.id, s): i for i, (t, c, s) in enumerate(wanted)}
+    return sorted(rows, key=lambda r: order[r.key])
+
+
+def _answer_locally(model: LoadedModel, jobs: list[_Job], drafter: Drafter | None, k: int, max_batch: int,
+                    max_seq_len: int) -> Iterator[tuple[_Job, list[int]]]:
+    engine = Engine(model.decoder, drafter, EngineConfig(k if drafter is not None else 0, max_seq_len, max_batch))
+    pending = {engine.add_request(Request(job.prompt_ids, job.max_tokens, job.sampling, model.stop_token_ids)): job
+               for job in jobs}
+    while engine.has_work:
+        for event in engine.step():
+            if event.finished is not None:
+                yield pending[event.request_id], event.finished.output_ids
+
+
+def _answer_remotely(endpoint: str, jobs: list[_Job], concurrency: int) -> Iterator[tuple[_Job, list[int]]]:
+    """Each job through the server's /v1/completions with its prompt as token ids (so the server computes
+    exactly this prompt); the answer's token ids come from vLLM's `return_token_ids` or specstand's own
+    `specstand.token_ids`. The hidden states are computed later, by the training-side target pass."""
+    import httpx
+
+    base = endpoint.rstrip("/")
+    with httpx.Client(timeout=600) as client:
+        served = client.get(f"{base}/v1/models").raise_for_status().json()["data"][0]["id"]
+
+        def answer(job: _Job) -> tuple[_Job, list[int]]:
+            body = {"model": served, "prompt": job.prompt_ids, "max_tokens": job.max_tokens,
+                    "temperature": job.sampling.temperature, "seed": job.sampling.seed, "return_token_ids": True,
+                    "skip_special_tokens": False}
+            reply = client.post(f"{base}/v1/completions", json=body)
+            if reply.status_code != 200:
+                raise EndpointError(f"{base} answered {reply.status_code}: {reply.text[:200]}")
+            data = reply.json()
+            ids = data["choices"][0].get("token_ids") or data.get("specstand", {}).get("token_ids")
+            if ids is None:
+                raise EndpointError(f"{base} returns no answer token ids (vLLM needs return_token_ids support)")
+            return job, list(ids)
+
+        with ThreadPoolExecutor(max(concurrency, 1)) as pool:
+            futures = [pool.submit(answer, job) for job in jobs]
+            try:
+                for future in as_completed(futures):
+                    yield future.result()
+            finally:  # a failed call or a kill: what has not started yet is not sent
+                for future in futures:
+                    future.cancel()
+
+
+class EndpointError(RuntimeError):
+    pass
 
 
 def save_rows(folder: Path, rows: list[TrainRow], meta: dict) -> None:

@@ -21,8 +21,8 @@ PROMPTS = ["w3 w4 w5 w3 w4 w5 w3", "w9 w8 w7 w9 w8", "w20 w21 w22 w23 w20 w21", 
 
 
 class LiveServer:
-    def __init__(self, model_dir, **config):
-        model = load_model(str(model_dir), "bf16", 512)
+    def __init__(self, model_dir, dtype: str = "bf16", **config):
+        model = load_model(str(model_dir), dtype, 512)
         self.app, self.worker = build_server(model, ServerConfig(**config))
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
@@ -235,3 +235,19 @@ def test_a_base_model_serves_completions_and_refuses_chat(tmp_path):
         assert live.client.completions.create(model=served, prompt="w5", max_tokens=4).usage.completion_tokens == 4
     finally:
         live.close()
+
+
+def test_completions_take_token_ids_as_the_prompt(server, tiny_model_dir):
+    """The OpenAI API's token-array prompt: used as given (train-data --endpoint relies on it); ids outside
+    the vocabulary are a 400."""
+    from transformers import AutoTokenizer
+
+    served = server.client.models.list().data[0].id
+    prompt_ids = AutoTokenizer.from_pretrained(tiny_model_dir)("w3 w4 w5")["input_ids"]
+    text = httpx.post(server.url + "/v1/completions", json={"model": served, "prompt": "w3 w4 w5", "max_tokens": 6,
+                                                             "temperature": 0}, timeout=30).json()
+    ids = httpx.post(server.url + "/v1/completions", json={"model": served, "prompt": prompt_ids, "max_tokens": 6,
+                                                            "temperature": 0}, timeout=30).json()
+    assert ids["specstand"]["token_ids"] == text["specstand"]["token_ids"]
+    bad = httpx.post(server.url + "/v1/completions", json={"model": served, "prompt": [3, 10_000]}, timeout=30)
+    assert bad.status_code == 400 and "token ids" in bad.json()["error"]["message"]

@@ -1,0 +1,91 @@
+"""train-data: answers from the engine (a drafter changes none), a killed run resumes to exactly the rows
+of an uninterrupted one, sampled answers included."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from specstand.cli import main
+from specstand.drafters import make_drafter
+from specstand.training.data import PARTIAL, PartialRows, generate_rows
+from specstand.verification import SamplingParams
+from specstand.workloads import save_workload
+from tests.conftest import tiny_turns
+
+CONFIG = {"run": "test"}
+
+
+GREEDY = SamplingParams()
+
+
+def _rows(target, folder, sampling=GREEDY, samples=1, drafter=None):
+    partial = PartialRows(folder, CONFIG)
+    try:
+        return generate_rows(target, tiny_turns(8), 0.25, sampling, 3, 512, drafter, 5, samples, partial)
+    finally:
+        partial.close()
+
+
+@pytest.mark.parametrize(("sampling", "samples"), [(SamplingParams(), 1), (SamplingParams(0.8, seed=3), 2)])
+def test_a_killed_run_resumes_to_the_rows_of_an_uninterrupted_one(tiny_target, tmp_path, monkeypatch, sampling,
+                                                                    samples):
+    whole = _rows(tiny_target, tmp_path / "whole", sampling, samples)
+    assert len(whole) == 8 * samples and len({r.key for r in whole}) == len(whole)
+    appended = []
+    real_append = PartialRows.append
+
+    def killed_after_five(self, row):
+        if len(appended) == 5:
+            raise KeyboardInterrupt  # the run dies with five answers on disk
+        appended.append(row)
+        real_append(self, row)
+
+    monkeypatch.setattr(PartialRows, "append", killed_after_five)
+    with pytest.raises(KeyboardInterrupt):
+        _rows(tiny_target, tmp_path / "killed", sampling, samples)
+    monkeypatch.setattr(PartialRows, "append", real_append)
+    with (tmp_path / "killed" / PARTIAL).open("a") as f:
+        f.write('{"turn_id": "t1", "call_')  # and its last write was torn
+    reopened = PartialRows(tmp_path / "killed", CONFIG)
+    assert len(reopened.rows) == 5  # the torn line dropped, the five whole ones kept
+    reopened.close()
+    resumed = _rows(tiny_target, tmp_path / "killed", sampling, samples)
+    assert resumed == whole
+
+
+def test_a_drafter_changes_no_answer(tiny_target, tmp_path):
+    plain = _rows(tiny_target, tmp_path / "plain")
+    drafted = _rows(tiny_target, tmp_path / "drafted", drafter=make_drafter("suffix"))
+    assert drafted == plain
+
+
+def test_resuming_another_configuration_is_refused(tiny_model_dir, tmp_path, capsys):
+    workload = tmp_path / "w.jsonl"
+    save_workload(tiny_turns(4), workload)
+    out = tmp_path / "data"
+    argv = ["train-data", "--model", str(tiny_model_dir), "--dtype", "fp32", "--workload", str(workload),
+            "--out", str(out)]
+    PartialRows(out, {"another": "run"}).close()
+    assert main(argv) != 0
+    err = capsys.readouterr().err
+    assert "another configuration" in err and len(err.strip().splitlines()) == 1
+    (out / PARTIAL).unlink()
+    assert main([*argv, "--samples", "2"]) != 0 and "--temperature" in capsys.readouterr().err
+    assert main(argv) == 0 and not (out / PARTIAL).exists()
+    assert json.loads((out / "meta.json").read_text())["rows"] == 4
+
+
+def test_answers_from_an_openai_compatible_endpoint_equal_local_ones(tiny_model_dir, tiny_target, tmp_path):
+    """specstand's own server as the endpoint (token-id prompts in, token ids out): greedy rows equal the
+    rows the engine answers in-process."""
+    from tests.server.test_server import LiveServer
+
+    live = LiveServer(tiny_model_dir, dtype="fp32", method="suffix", max_batch=3)
+    try:
+        turns = tiny_turns(8)
+        remote = generate_rows(tiny_target, turns, 0.25, GREEDY, 3, 512, endpoint=live.url)
+    finally:
+        live.close()
+    assert remote == generate_rows(tiny_target, turns, 0.25, GREEDY, 3, 512)

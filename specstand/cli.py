@@ -555,6 +555,7 @@ def cmd_train_data(args: argparse.Namespace) -> None:
 
 def cmd_train(args: argparse.Namespace) -> None:
     from specstand.models import load_model
+    from specstand.training import distributed
     from specstand.training.features import TargetFeatures
     from specstand.training.trainer import TrainConfig, tap_layers_for, train
 
@@ -575,9 +576,14 @@ def cmd_train(args: argparse.Namespace) -> None:
     model = load_model(args.model, args.dtype, configs[0].max_len, log=_log)
     taps = [t for c in configs for t in tap_layers_for(c, model.decoder.shape.num_layers)]
     features = TargetFeatures(model.decoder, taps, min(configs[0].max_len, model.max_positions))
-    for config in configs:
-        train(config, model, log=_log, features=features)
-        _log(f"{config.method} drafter written to {config.out}")
+    world = distributed.start()  # a world of one unless launched by torchrun
+    try:
+        for config in configs:
+            train(config, model, log=_log, features=features, world=world)
+            if world.main:
+                _log(f"{config.method} drafter written to {config.out}")
+    finally:
+        distributed.stop(world)
 
 
 def cmd_eval_drafter(args: argparse.Namespace) -> None:

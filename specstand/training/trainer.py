@@ -24,11 +24,14 @@ from specstand.drafters.target_parts import TargetParts
 from specstand.drafters.trained import BLOCK_METHODS, TRAINED, build_model, drafter_state, save_drafter
 from specstand.models import LoadedModel
 from specstand.training.data import load_rows
-from specstand.training.features import TargetFeatures, pack_rows, plan_packs
+from specstand.training.distributed import World
+from specstand.training.features import Pack, TargetFeatures, pack_rows, plan_packs
 from specstand.training.losses import target_to_draft
 from specstand.training.objectives import BLOCK_OBJECTIVES, chain_objective
 
 TRAINER_STATE = "trainer.pt"
+TRAIN_LOG = "train_log.jsonl"  # loss and acceptance per position, a line per step (rank 0)
+TRAIN_PLOT = "train_log.png"
 
 
 @dataclass
@@ -166,11 +169,70 @@ def _load_state(path: Path, config: TrainConfig) -> dict | None:
     return state
 
 
+class _Objective(torch.nn.Module):
+    """The method's loss on a pack as a module's forward, so DistributedDataParallel can wrap it: returns
+    (loss, per-position q or None, accepted per position)."""
+
+    def __init__(self, model: torch.nn.Module, t2d: torch.Tensor, config: TrainConfig) -> None:
+        super().__init__()
+        self.model, self.t2d, self.config = model, t2d, config
+
+    def forward(self, pack: Pack, generator: torch.Generator, running_q: torch.Tensor):
+        if self.config.method in BLOCK_OBJECTIVES:
+            return BLOCK_OBJECTIVES[self.config.method](self.model, pack, self.t2d, self.config, generator, running_q)
+        loss, accepted = chain_objective(self.model, pack, self.t2d, self.config, soft=self.config.method == "eagle3")
+        return loss, None, accepted
+
+
+class _TrainLog:
+    """train_log.jsonl: a line per step; a resumed run first drops the lines past its checkpoint."""
+
+    def __init__(self, path: Path, start: int) -> None:
+        self.path = path
+        kept = []
+        if path.is_file():
+            for line in path.read_text().splitlines():
+                try:
+                    if json.loads(line)["step"] <= start:
+                        kept.append(line)
+                except (json.JSONDecodeError, KeyError, TypeError):
+                    break  # a torn last line
+        path.write_text("".join(line + "\n" for line in kept))
+
+    def append(self, step: int, loss: float, accepted: list[float]) -> None:
+        with self.path.open("a") as f:
+            f.write(json.dumps({"step": step, "loss": round(loss, 5), "accepted": [round(a, 4) for a in accepted]})
+                    + "\n")
+
+    def plot(self, out: Path) -> None:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        entries = [json.loads(line) for line in self.path.read_text().splitlines()]
+        steps = [e["step"] for e in entries]
+        fig, (left, right) = plt.subplots(1, 2, figsize=(10, 3.5))
+        left.plot(steps, [e["loss"] for e in entries])
+        left.set(xlabel="step", ylabel="loss", title="training loss")
+        for position in range(min(len(entries[-1]["accepted"]), 4)):
+            right.plot(steps, [e["accepted"][position] for e in entries], label=f"position {position}")
+        right.set(xlabel="step", ylabel="acceptance", title="acceptance per draft position", ylim=(0, 1))
+        right.legend()
+        fig.tight_layout()
+        tmp = out.with_name(f".{out.name}.tmp.png")
+        fig.savefig(tmp)
+        plt.close(fig)
+        os.replace(tmp, out)
+
+
 def train(
-    config: TrainConfig, target: LoadedModel, log=print, features: TargetFeatures | None = None
+    config: TrainConfig, target: LoadedModel, log=print, features: TargetFeatures | None = None,
+    world: World = World(),  # noqa: B008 - a frozen dataclass: one process
 ) -> torch.nn.Module:
     """Train (or resume) into config.out; returns the trained drafter model. `features` may be shared by
-    several drafters trained on the same data in one process (it must tap their layers)."""
+    several drafters trained on the same data in one process (it must tap their layers). Under torchrun
+    (`world`), each rank takes its share of every step's rows; rank 0 writes the checkpoints and log."""
     torch.manual_seed(config.seed)
     random.seed(config.seed)
     out = Path(config.out)
@@ -212,28 +274,42 @@ def train(
         schedule += plan_packs(lengths, config.pack_tokens, order)
         epoch += 1
     model.train()
+    objective = _Objective(model, t2d, config)
+    if world.size > 1:  # averages the gradients over ranks in backward
+        objective = torch.nn.parallel.DistributedDataParallel(objective, find_unused_parameters=True)
+    train_log = _TrainLog(out / TRAIN_LOG, start) if world.main else None
     began = time.perf_counter() - elapsed
-    bar = tqdm(range(start, config.steps), initial=start, total=config.steps, desc=f"train {spec.method}")
+    bar = tqdm(range(start, config.steps), initial=start, total=config.steps, desc=f"train {spec.method}",
+               disable=not world.main)
     for step in bar:
-        rows_of_step = [features.row(i, rows[i].prompt_ids, rows[i].response_ids) for i in schedule[step]]
-        pack = pack_rows(rows_of_step, spec.tap_layers)
+        # this rank's rows of the step; a rank left without one computes a row at zero weight, as every
+        # rank must take part in the gradients' all-reduce
+        share = world.share(schedule[step])
+        mine = share or schedule[step][:1]
+        pack = pack_rows([features.row(i, rows[i].prompt_ids, rows[i].response_ids) for i in mine], spec.tap_layers)
         for group in optimizer.param_groups:
             group["lr"] = learning_rate(config, step)
-        generator = torch.Generator().manual_seed(config.seed * 1_000_003 + step)
-        if spec.method in BLOCK_OBJECTIVES:
-            loss, q, accepted = BLOCK_OBJECTIVES[spec.method](model, pack, t2d, config, generator, running_q)
+        generator = torch.Generator().manual_seed(config.seed * 1_000_003 + step + world.rank * 7_919)
+        loss, q, accepted = objective(pack, generator, running_q)
+        if not share:
+            loss = loss * 0.0
+        if q is not None:
+            q = world.mean(q)
             running_q = torch.where(torch.isnan(q), running_q, 0.9 * running_q + 0.1 * q)
-        else:
-            loss, accepted = chain_objective(model, pack, t2d, config, soft=spec.method == "eagle3")
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         optimizer.step()
-        bar.set_postfix_str(f"loss {loss.item():.3f} accepted@pos {' '.join(f'{a:.2f}' for a in accepted.tolist())}")
-        if (step + 1) % config.save_every == 0 or step + 1 == config.steps:
+        mean_loss, accepted = world.mean(loss.detach()[None])[0], world.mean(accepted.detach())
+        bar.set_postfix_str(f"loss {mean_loss:.3f} accepted@pos {' '.join(f'{a:.2f}' for a in accepted.tolist())}")
+        if train_log is not None:
+            train_log.append(step + 1, float(mean_loss), accepted.tolist())
+        if world.main and ((step + 1) % config.save_every == 0 or step + 1 == config.steps):
             spec.trained = {"data": meta, "steps": step + 1, "train_rows": len(rows), "seconds": round(
                 time.perf_counter() - began, 1), "last_accepted_per_position": [round(a, 3) for a in accepted.tolist()],
                 **config.extra}
             _save_state(out, model, optimizer, step + 1, running_q, config, time.perf_counter() - began)
+    if train_log is not None and start < config.steps:
+        train_log.plot(out / TRAIN_PLOT)
     model.eval()
     return model

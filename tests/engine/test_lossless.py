@@ -49,15 +49,18 @@ class ScriptedDrafter(Drafter):
 @pytest.mark.parametrize(("dtype", "forward"), NUMERICS)
 @pytest.mark.parametrize("family", FAMILIES)
 def test_every_drafter_is_token_identical_to_plain_greedy(family, dtype, forward):
-    model = tiny_decoder(family, DTYPES[dtype], forward=forward)
-    prompts = random_prompts(8, 40, seed=3)
+    assert_every_drafter_answers_as_plain_decoding(tiny_decoder(family, DTYPES[dtype], forward=forward),
+                                                   random_prompts(8, 40, seed=3))
+
+
+def assert_every_drafter_answers_as_plain_decoding(model, prompts: list[list[int]]) -> None:
+    """Each training-free drafter, 3 requests at a time: the greedy answers of plain decoding, one by one,
+    with drafts accepted (else the test would not exercise verification)."""
     baseline = _outputs(_engine(model, None), prompts)
     for method in DRAFTERS:
-        engine = _engine(model, make_drafter(method), max_batch=3)
-        results = engine.generate([Request(p, 48) for p in prompts])
+        results = _engine(model, make_drafter(method), max_batch=3).generate([Request(p, 48) for p in prompts])
         assert [r.output_ids for r in results] == baseline, method
-        accepted = sum(r.stats.accepted_tokens for r in results)
-        assert accepted > 0, f"{method} never had a draft accepted: the test would not exercise verification"
+        assert sum(r.stats.accepted_tokens for r in results) > 0, f"{method} never had a draft accepted"
 
 
 @pytest.mark.parametrize("forward", [FORWARDS[0], FORWARDS[-1]])  # the Python forward and the best kernels

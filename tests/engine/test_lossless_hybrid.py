@@ -13,8 +13,8 @@ from specstand.runner.kv_cache import KVCache
 from specstand.runner.state_cache import StateCache
 from specstand.verification import SamplingParams
 from tests.conftest import DTYPES, FORWARDS, HYBRID_FAMILIES, RECURRENT_FAMILIES, FixedCost, random_prompts, tiny_hybrid
-from tests.engine.test_lossless import K, ScriptedDrafter
-from tests.engine.test_sampling import PARAMS, FixedDrafter, assert_follows_the_joint_law, exact_joint
+from tests.engine.test_lossless import K, ScriptedDrafter, assert_every_drafter_answers_as_plain_decoding
+from tests.engine.test_sampling import PARAMS, assert_follows_the_joint_law, exact_joint, likeliest_second_drafter
 
 
 def _engine(model, drafter, max_batch: int = 1) -> Engine:
@@ -42,13 +42,8 @@ def broken_rollback(self: StateCache, slot: int, length: int) -> None:
 @pytest.mark.parametrize(("dtype", "forward"), NUMERICS)
 @pytest.mark.parametrize("family", HYBRID_FAMILIES)
 def test_every_drafter_is_token_identical_to_plain_greedy(family, dtype, forward):
-    model = tiny_hybrid(family, DTYPES[dtype], forward=forward)
-    prompts = random_prompts(6, 40, seed=3)
-    baseline = _outputs(_engine(model, None), prompts)
-    for method in DRAFTERS:
-        results = _engine(model, make_drafter(method), max_batch=3).generate([Request(p, 48) for p in prompts])
-        assert [r.output_ids for r in results] == baseline, method
-        assert sum(r.stats.accepted_tokens for r in results) > 0, method
+    assert_every_drafter_answers_as_plain_decoding(tiny_hybrid(family, DTYPES[dtype], forward=forward),
+                                                   random_prompts(6, 40, seed=3))
 
 
 @pytest.mark.parametrize("family", HYBRID_FAMILIES)
@@ -95,10 +90,7 @@ def test_sampling_with_drafts_follows_the_targets_joint_law(family):
     prompt = random_prompts(1, 20, seed=8)[0]
     params = SamplingParams(**PARAMS)
     joint = exact_joint(model, prompt, params)
-    best: dict[int, tuple[float, int]] = {}
-    for (a, b, _), p in joint.items():
-        best[a] = max(best.get(a, (0.0, b)), (p, b))
-    engine = Engine(model, FixedDrafter({a: b for a, (_, b) in best.items()}), EngineConfig(2, 128, 16))
+    engine = Engine(model, likeliest_second_drafter(joint), EngineConfig(2, 128, 16))
     samples = 2000
     results = engine.generate([Request(prompt, 3, SamplingParams(**PARAMS, seed=seed)) for seed in range(samples)])
     assert sum(r.stats.accepted_tokens for r in results) > samples // 10  # verification was exercised

@@ -42,6 +42,14 @@ class FixedDrafter(Drafter):
         return Draft([self.second[seq.token_ids[-1]]])
 
 
+def likeliest_second_drafter(joint: dict[tuple[int, ...], float]) -> FixedDrafter:
+    """A FixedDrafter proposing, after each first token, the second token most likely with it."""
+    best: dict[int, tuple[float, int]] = {}
+    for (a, b, _), p in joint.items():
+        best[a] = max(best.get(a, (0.0, b)), (p, b))
+    return FixedDrafter({a: b for a, (_, b) in best.items()})
+
+
 def exact_joint(model, prompt: list[int], params: SamplingParams) -> dict[tuple[int, ...], float]:
     """p(a | prompt) p(b | prompt, a) p(c | prompt, a, b) over the support, from the runner the engine uses."""
     runner = TargetRunner(model, 1, 128)
@@ -75,10 +83,7 @@ def test_engine_samples_the_targets_joint_law(drafted, forward, adaptive, monkey
     prompt = random_prompts(1, 20, seed=8)[0]
     params = SamplingParams(**PARAMS)
     joint = exact_joint(model, prompt, params)
-    best: dict[int, tuple[float, int]] = {}
-    for (a, b, _), p in joint.items():
-        best[a] = max(best.get(a, (0.0, b)), (p, b))
-    drafter = FixedDrafter({a: b for a, (_, b) in best.items()}) if drafted else None
+    drafter = likeliest_second_drafter(joint) if drafted else None
     engine = Engine(model, drafter, EngineConfig(2, 128, 16, adaptive=adaptive))
     # three tokens asked, so the second step may carry a draft (a pass never drafts past max_tokens)
     results = engine.generate([Request(prompt, 3, SamplingParams(**PARAMS, seed=seed)) for seed in range(SAMPLES)])

@@ -10,10 +10,11 @@ from transformers import GPTNeoXConfig, GPTNeoXForCausalLM
 from specstand.drafters import make_drafter
 from specstand.engine import Engine, EngineConfig, Request
 from specstand.models.loading import target_model
-from specstand.runner import PassInput, TargetRunner
+from specstand.runner import TargetRunner
 from specstand.runner.generic import TransformersModel
 from specstand.runner.hybrid import HybridModel
 from tests.conftest import HYBRID_FAMILIES, VOCAB, random_prompts, tiny_hybrid_hf_model
+from tests.runner.test_hybrid import rolled_back_and_clean
 
 SMALL = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
              max_position_embeddings=1024, eos_token_id=1, bos_token_id=0)
@@ -44,18 +45,9 @@ def test_unknown_architectures_run_through_the_module_and_known_ones_do_not():
 def test_rollback_leaves_no_trace(name):
     """A verify pass of 4 rows kept 1, then the next pass: the logits of a slot that never saw the
     rejected rows (crop, or recompute where the module's cache cannot crop)."""
-    model = TransformersModel(_model(name), 512)
-    runner = TargetRunner(model, 2, 256)
-    tokens = random_prompts(1, 30, seed=3)[0]
-    rolled, clean = runner.cache.allocate(), runner.cache.allocate()
-    for slot in (rolled, clean):
-        runner.prefill(slot, tokens[:20])
-    runner.run([PassInput(rolled, tokens[20:21] + [5, 6, 7])], 4)
-    runner.cache.rollback(rolled, 21)
-    runner.run([PassInput(clean, tokens[20:21])], 4)
-    a = runner.run([PassInput(rolled, tokens[21:24])], 4)[0].logits
-    b = runner.run([PassInput(clean, tokens[21:24])], 4)[0].logits
-    assert (a - b).abs().max() < 1e-4
+    runner = TargetRunner(TransformersModel(_model(name), 512), 2, 256)
+    rolled, clean = rolled_back_and_clean(runner, random_prompts(1, 30, seed=3)[0], 20, 1, 4)
+    assert (rolled - clean).abs().max() < 1e-4
 
 
 @pytest.mark.parametrize("name", MODELS)

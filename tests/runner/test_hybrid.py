@@ -40,21 +40,27 @@ def test_logits_match_transformers_over_prompt_and_decode_passes(family):
     assert (got - reference[69:position]).abs().max() < LOGIT_BOUND
 
 
+def rolled_back_and_clean(runner: TargetRunner, tokens: list[int], prompt: int, kept: int,
+                          width: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Logits of the next pass in a slot whose verify pass kept `kept` of `width` rows (the rest rejected
+    and rolled back), and in a slot that only ever saw the kept ones."""
+    rolled, clean = runner.cache.allocate(), runner.cache.allocate()
+    for slot in (rolled, clean):
+        runner.prefill(slot, tokens[:prompt])
+    accepted = tokens[prompt : prompt + kept]
+    runner.run([PassInput(rolled, accepted + [5] * (width - kept))], width)
+    runner.cache.rollback(rolled, prompt + kept)
+    runner.run([PassInput(clean, accepted)], width)
+    after = tokens[prompt + kept : prompt + kept + 4]
+    return tuple(runner.run([PassInput(slot, after)], width)[0].logits for slot in (rolled, clean))
+
+
 @pytest.mark.parametrize("family", RECURRENT_FAMILIES)
 def test_rollback_restores_the_state_of_the_last_kept_row(family):
     """A verify pass of 5 rows kept 2 then continued: logits equal a run that never saw the 3 others."""
-    model = HybridModel(tiny_hybrid_hf_model(family), 256)
-    runner = TargetRunner(model, 2, 256)
-    tokens = _tokens(40, seed=2)
-    rolled, clean = runner.cache.allocate(), runner.cache.allocate()
-    for slot in (rolled, clean):
-        runner.prefill(slot, tokens[:30])
-    runner.run([PassInput(rolled, tokens[30:32] + [5, 6, 7])], 5)
-    runner.cache.rollback(rolled, 32)
-    runner.run([PassInput(clean, tokens[30:32])], 5)
-    a = runner.run([PassInput(rolled, tokens[32:36])], 5)[0].logits
-    b = runner.run([PassInput(clean, tokens[32:36])], 5)[0].logits
-    assert torch.equal(a, b)
+    runner = TargetRunner(HybridModel(tiny_hybrid_hf_model(family), 256), 2, 256)
+    rolled, clean = rolled_back_and_clean(runner, _tokens(40, seed=2), 30, 2, 5)
+    assert torch.equal(rolled, clean)
 
 
 def test_rollback_to_a_length_without_a_state_is_refused():

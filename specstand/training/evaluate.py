@@ -11,6 +11,7 @@ acceptance beside the observed one (positions judged only, i.e. every earlier on
 
 from __future__ import annotations
 
+import math
 import statistics
 import time
 from dataclasses import asdict, dataclass
@@ -42,6 +43,19 @@ class KEvaluation:
     measured_speedup: float
     identical: bool  # every answer equals plain greedy decoding
     calibration: list[tuple[float, float]] | None = None  # per position: (predicted, observed) acceptance
+    # per position: the 95% Wilson interval of its acceptance (drafts that reached it are the trials)
+    acceptance_interval: list[tuple[float, float]] | None = None
+
+
+def wilson_interval(accepted: int, drafted: int, z: float = 1.96) -> tuple[float, float]:
+    """The Wilson score interval of a binomial proportion (honest at small counts and near 0 or 1)."""
+    if drafted == 0:
+        return 0.0, 1.0
+    p = accepted / drafted
+    scale = 1 + z * z / drafted
+    center = (p + z * z / (2 * drafted)) / scale
+    half = z * math.sqrt(p * (1 - p) / drafted + z * z / (4 * drafted * drafted)) / scale
+    return max(0.0, center - half), min(1.0, center + half)
 
 
 class _TimedDrafter(Drafter):
@@ -133,9 +147,13 @@ def evaluate_drafter(model: LoadedModel, drafter_path: Path, rows: list[TrainRow
             measured_speedup=round(plain_s / seconds, 3),
             identical=all(a.output_ids == b.output_ids for a, b in zip(results, plain, strict=True)),
             calibration=calibration(timed.judged) or None,
+            acceptance_interval=[tuple(round(x, 3) for x in wilson_interval(a, d)) for a, d in
+                                 zip(stats.accepted_per_position, stats.drafted_per_position, strict=True)],
         )
-        log(f"K={k}: tau {figure.tau} (vLLM-style {figure.tau_per_draft}), acceptance per position "
-            f"{figure.acceptance_per_position}, verify {verify_ms:.1f} ms, draft {draft_ms:.1f} ms, "
+        intervals = " ".join(f"{a}[{lo}-{hi}]" for a, (lo, hi) in
+                             zip(figure.acceptance_per_position, figure.acceptance_interval, strict=True))
+        log(f"K={k}: tau {figure.tau} (vLLM-style {figure.tau_per_draft}), acceptance per position with its 95% "
+            f"interval {intervals}, verify {verify_ms:.1f} ms, draft {draft_ms:.1f} ms, "
             f"predicted x{figure.predicted_speedup}, measured x{figure.measured_speedup}, identical {figure.identical}")
         if figure.calibration:
             log(f"K={k}: confidence head, predicted vs observed acceptance per position: "

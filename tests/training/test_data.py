@@ -89,3 +89,4 @@ def test_answers_from_an_openai_compatible_endpoint_equal_local_ones(tiny_model_
     finally:
         live.close()
     assert remote == generate_rows(tiny_target, turns, 0.25, GREEDY, 3, 512)
+

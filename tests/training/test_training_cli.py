@@ -32,6 +32,9 @@ def test_train_evaluate_export_import_and_generate(capsys, tiny_model_dir, tmp_p
     assert code == 0, err
     figures = json.loads((tmp_path / "eval.json").read_text())["figures"]
     assert [f["k"] for f in figures] == [2, 3] and all(f["identical"] for f in figures)
+    for f in figures:  # each position's acceptance inside its 95% interval
+        assert all(lo <= a <= hi for a, (lo, hi) in zip(f["acceptance_per_position"], f["acceptance_interval"],
+                                                        strict=True))
     assert "| 3 |" in out and "Held-out calls" in (drafters / "dflash" / "README.md").read_text()
     # DSpark trained with its own options; its evaluation prints the confidence head's calibration
     code, _, err = _run(capsys, "train", "--method", "dspark", *model, "--data", str(data), "--out",

@@ -64,7 +64,9 @@ class PartialRows:
                 except (json.JSONDecodeError, TypeError):
                     break  # the torn tail of a killed write; everything before it is whole
         good = [json.dumps({"config": config})] + [json.dumps(asdict(row)) for row in self.rows]
-        self.path.write_text("\n".join(good) + "\n")
+        tmp = folder / f"{PARTIAL}.tmp"  # rewritten whole, then renamed: a kill here loses no row
+        tmp.write_text("\n".join(good) + "\n")
+        os.replace(tmp, self.path)
         self._file = self.path.open("a")
 
     def append(self, row: TrainRow) -> None:

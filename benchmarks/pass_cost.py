@@ -8,6 +8,7 @@ measured in the same run; each pass prints its roofline max(weight bytes / bandw
 `--profile` splits a speculative step into target pass and the rest (drafting, verification, bookkeeping).
 
     python benchmarks/pass_cost.py --model qwen2.5-coder-0.5b --out benchmarks/results/pass_cost_qwen.txt
+    python benchmarks/pass_cost.py --model qwen2.5-coder-0.5b --dtype q8_0   # Q8_0 blocks through the kernels
 """
 
 from __future__ import annotations
@@ -34,11 +35,14 @@ ROWS = (1, 2, 4, 8, 16, 32, 64)
 PROMPT = "Return a JSON object with the keys name, city and age for a 30-year-old called Ana from Porto."
 
 
-def weight_bytes_and_macs(runner: TargetRunner) -> tuple[int, int]:
+BYTES_PER_WEIGHT = {"bf16": 2.0, "q8_0": 34 / 32}  # q8_0: an int8 a weight and an fp16 scale per 32
+
+
+def weight_bytes_and_macs(runner: TargetRunner, dtype: str) -> tuple[int, int]:
     """Bytes of the weight matrices a decode pass reads (every layer's linears and the head; norms and the
     looked-up embedding rows add well under 1%) and its multiply-accumulates per row (linears only)."""
     macs = sum(t.numel() for t in runner.model.linear_weights())
-    return macs * 2, macs  # bf16: two bytes a weight
+    return int(macs * BYTES_PER_WEIGHT[dtype]), macs
 
 
 def time_pass(runner: TargetRunner, slots: list[int], rows: int, repeats: int, context: int) -> float:
@@ -125,6 +129,8 @@ def profile_step(loaded, prompt_ids: list[int], tokens: int) -> tuple[float, flo
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default="smollm2-135m")
+    parser.add_argument("--dtype", default="bf16", choices=list(BYTES_PER_WEIGHT),
+                        help="weights of the compiled passes (the torch column runs bf16 of the same values)")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--tokens", type=int, default=64, help="tokens generated for the decode figures")
@@ -143,10 +149,10 @@ def main() -> None:
         lines.append(line)
 
     capacity = max(1024, args.context + 64)
-    loaded = load_model(args.model, "bf16", max_seq_len=capacity, log=lambda m: None)
+    loaded = load_model(args.model, args.dtype, max_seq_len=capacity, log=lambda m: None)
     compiled = loaded.decoder.compiled
     path = compiled.path if compiled is not None else getattr(loaded.decoder, "kernel_path", "python")
-    say(f"# pass cost: {args.model} bf16, {args.threads} threads")
+    say(f"# pass cost: {args.model} {args.dtype}, {args.threads} threads")
     say(f"cpu: {kernels.cpu_model()}; flags: {' '.join(kernels.cpu_flags())}; kernel path: {path}")
     peak = kernels.peak_macs_per_second(path) * args.threads if path != "python" else float("nan")
     # a hybrid target (Gemma 3, LFM2, Qwen3.5) has no compiled forward: its Python forward with the
@@ -156,7 +162,7 @@ def main() -> None:
     slots = [runner.cache.allocate() for _ in range(8)]
     for slot in slots:
         runner.prefill(slot, list(range(100, 100 + args.context)))
-    weight_bytes, macs = weight_bytes_and_macs(runner)
+    weight_bytes, macs = weight_bytes_and_macs(runner, args.dtype)
     bandwidth = kernels.read_bandwidth_gbs()
     floor_ms = weight_bytes / bandwidth / 1e6
     say(f"weights read per pass {weight_bytes / 1e6:.0f} MB; bandwidth {bandwidth:.1f} GB/s -> floor "
@@ -225,7 +231,7 @@ def main() -> None:
                                                     tokenize=False)
         peer, size = llama_cpp_figures(args.llama_cpp_python, args.model, text, args.tokens, args.threads)
         say(f"llama-cpp-python on the preset's GGUF ({size / 1e6:.0f} MB as published, against our "
-            f"{weight_bytes / 1e6:.0f} MB of bf16): plain {peer['plain_tokens_per_s']:.1f} tok/s (specstand "
+            f"{weight_bytes / 1e6:.0f} MB of {args.dtype}): plain {peer['plain_tokens_per_s']:.1f} tok/s (specstand "
             f"x{ours / peer['plain_tokens_per_s']:.2f}), prompt lookup {peer['prompt_lookup_tokens_per_s']:.1f} "
             f"tok/s; its speculative answer {'equals' if peer['speculative_equals_plain'] else 'DIFFERS from'} its "
             f"plain one; prompt {peer['plain_prompt_tokens_per_s']:.0f} tokens/s ({peer['prompt_tokens']} tokens)")

@@ -12,6 +12,9 @@ from pathlib import Path
 from specstand.drafters import METHODS
 from specstand.engine import GenerationResult
 
+DTYPE_CHOICES = ["bf16", "fp32", "q8_0"]  # models/loading.py DTYPES
+DTYPE_HELP = "weights: bf16, fp32, or q8_0 (bf16 model, linears as Q8_0 blocks: about half the bytes a pass reads)"
+
 
 class CliError(Exception):
     """A user-facing error: printed as one line, exit code 2."""
@@ -98,7 +101,7 @@ def build_parser() -> argparse.ArgumentParser:
                        help="also serve a target configured by vLLM's JSON (repeatable; needs --model)")
     bench.add_argument("--k", type=int, default=None,
                        help="draft tokens per pass (default 5; block drafters: the drafts of one block)")
-    bench.add_argument("--dtype", default="bf16", choices=["bf16", "fp32"])
+    bench.add_argument("--dtype", default="bf16", choices=DTYPE_CHOICES, help=DTYPE_HELP)
     bench.add_argument("--max-seq-len", type=int, default=None,
                        help="context of each specstand server (default: the workload's longest call needs)")
     bench.add_argument("--max-batch", type=int, default=8, help="requests each specstand server decodes together")
@@ -129,7 +132,7 @@ def _training_parsers(commands) -> None:
     data.add_argument("--endpoint", default=None, metavar="URL",
                       help="take the answers from this OpenAI-compatible server (vLLM, SGLang, specstand) instead")
     data.add_argument("--max-batch", type=int, default=4)
-    data.add_argument("--dtype", default="bf16", choices=["bf16", "fp32"])
+    data.add_argument("--dtype", default="bf16", choices=DTYPE_CHOICES, help=DTYPE_HELP)
     data.add_argument("--max-seq-len", type=int, default=2048)
 
     train = commands.add_parser("train", help="online distillation of a drafter from the frozen target")
@@ -140,7 +143,7 @@ def _training_parsers(commands) -> None:
     train.add_argument("--data", type=Path, required=True, help="a `train-data` folder")
     train.add_argument("--out", type=Path, required=True,
                        help="checkpoint folder, resumed when it holds one (several methods: OUT/<method>)")
-    train.add_argument("--dtype", default="bf16", choices=["bf16", "fp32"])
+    train.add_argument("--dtype", default="bf16", choices=DTYPE_CHOICES, help=DTYPE_HELP)
     for name, kind, default in [("steps", int, 500), ("lr", float, 1e-3), ("pack-tokens", int, 2048),
                                 ("save-every", int, 50), ("seed", int, 0), ("layers", int, 0),
                                 ("intermediate-size", int, 0), ("draft-vocab", int, 8192), ("num-taps", int, 5),
@@ -158,7 +161,7 @@ def _training_parsers(commands) -> None:
     evaluate.add_argument("--data", type=Path, required=True)
     evaluate.add_argument("--k", default=None, help="comma-separated draft lengths (default: 1,2,4 and the most)")
     evaluate.add_argument("--limit", type=int, default=None, help="at most this many held-out calls")
-    evaluate.add_argument("--dtype", default="bf16", choices=["bf16", "fp32"])
+    evaluate.add_argument("--dtype", default="bf16", choices=DTYPE_CHOICES, help=DTYPE_HELP)
     evaluate.add_argument("--json", type=Path, default=None, help="also write the figures here")
     evaluate.add_argument("--write-card", action="store_true", help="write the drafter's README.md model card")
 
@@ -181,7 +184,7 @@ def _model_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--k", type=int, default=None,
                         help="most draft tokens verified per pass (default 5; DFlash: block size - 1)")
     parser.add_argument("--drafter", type=Path, default=None, help="trained drafter folder (default: shipped one)")
-    parser.add_argument("--dtype", default="bf16", choices=["bf16", "fp32"])
+    parser.add_argument("--dtype", default="bf16", choices=DTYPE_CHOICES, help=DTYPE_HELP)
     parser.add_argument("--max-seq-len", type=int, default=2048, help="context (cache capacity) per request")
     parser.add_argument("--speculative-config", default=None,
                         help="vLLM's JSON instead of --method/--k/--drafter: method (ngram, suffix, eagle3, dflash, "

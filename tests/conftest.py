@@ -78,12 +78,13 @@ def tiny_hf_model(
 
 def tiny_decoder(
     family: str, dtype: torch.dtype = torch.float32, max_positions: int = 512, forward: str = "python",
-    head_dim: int = 16,
+    head_dim: int = 16, weight_format: str = "bf16",
 ) -> DecoderModel:
-    """A tiny target whose decode/verify passes run `forward`: "python" or a kernel path (bf16 only)."""
+    """A tiny target whose decode/verify passes run `forward`: "python" or a kernel path (bf16 only), on
+    bf16 weights or their Q8_0 blocks (`weight_format`)."""
     model = DecoderModel(tiny_hf_model(family, dtype, head_dim=head_dim), max_positions)
     if forward != "python":
-        assert attach_compiled(model, forward) is not None
+        assert attach_compiled(model, forward, weight_format=weight_format) is not None
     return model
 
 
@@ -207,9 +208,10 @@ def tiny_hybrid_hf_model(family: str, dtype: torch.dtype = torch.float32, seed: 
 
 
 def tiny_hybrid(family: str, dtype: torch.dtype = torch.float32, max_positions: int = 512,
-                forward: str = "python") -> HybridModel:
-    """A tiny hybrid target whose projections run `forward`: "python" (torch) or a kernel path (bf16)."""
+                forward: str = "python", weight_format: str = "bf16") -> HybridModel:
+    """A tiny hybrid target whose projections run `forward`: "python" (torch) or a kernel path (bf16), on
+    bf16 weights or their Q8_0 blocks."""
     model = HybridModel(tiny_hybrid_hf_model(family, dtype), max_positions)
     if forward != "python":
-        assert model.attach_kernels(forward) == forward
+        assert model.attach_kernels(forward, weight_format=weight_format) == forward
     return model

@@ -9,6 +9,7 @@ import sys
 import pytest
 
 from specstand.cli import main
+from tests.conftest import KERNEL_PATHS
 
 
 def _run(capsys, *argv: str) -> tuple[int, str, str]:
@@ -29,6 +30,26 @@ def test_generate_json_with_every_method(capsys, tiny_model_dir):
         assert result["adaptive"] == bool(flags)
         outputs[method + "".join(flags)] = result["token_ids"]
     assert outputs["ngram"] == outputs["none"] == outputs["suffix"] == outputs["suffix--adaptive"]
+
+
+@pytest.mark.skipif(not KERNEL_PATHS, reason="q8_0 runs on the kernels, which do not build here")
+def test_generate_on_q8_0_weights_is_exact_and_lossless(capsys, tiny_model_dir):
+    answers = []
+    for method in ("none", "suffix"):
+        code, out, _ = _run(capsys, "generate", "--model", str(tiny_model_dir), "--dtype", "q8_0", "--method",
+                            method, "--prompt", "w3 w4 w5 w3 w4 w5 w3 w4", "--max-tokens", "12", "--json")
+        assert code == 0
+        result = json.loads(out)
+        assert result["exact"] is True
+        answers.append(result["token_ids"])
+    assert answers[0] == answers[1]
+
+
+def test_q8_0_without_the_kernels_is_one_line(capsys, tiny_model_dir, monkeypatch):
+    monkeypatch.setenv("SPECSTAND_KERNEL_PATH", "python")
+    code, out, err = _run(capsys, "generate", "--model", str(tiny_model_dir), "--dtype", "q8_0", "--prompt", "w1")
+    assert code != 0 and out == ""
+    assert len(err.strip().splitlines()) == 1 and "compiled kernels" in err
 
 
 def test_messages_file_uses_the_chat_template(capsys, tiny_model_dir, tmp_path):

@@ -20,8 +20,8 @@ from types import ModuleType
 
 import torch
 
-SOURCES = ("linear.cpp", "attention.cpp", "decoder.cpp")
-HEADERS = ("common.h", "linear.h", "attention.h")
+SOURCES = ("linear.cpp", "linear_q8_0.cpp", "attention.cpp", "decoder.cpp")
+HEADERS = ("common.h", "linear.h", "tiles.h", "attention.h")
 PATHS = {"scalar": 0, "avx2": 1, "avx512bf16": 2, "amx": 3}  # the C++ Isa values, worst first
 PATH_ENV = "SPECSTAND_KERNEL_PATH"
 
@@ -113,7 +113,12 @@ def cpu_model() -> str:
 
 def linear(weight: torch.Tensor, x: torch.Tensor, path: str) -> torch.Tensor:
     """x [m, k] @ weight[n, k].T through the kernel `path` (packs the weight on every call: for tests)."""
-    return load().linear_once(weight, x, PATHS[path])
+    return load().Linear(weight, PATHS[path]).forward(x)
+
+
+def linear_q8_0(q: torch.Tensor, d: torch.Tensor, x: torch.Tensor, path: str) -> torch.Tensor:
+    """x [m, k] @ W.T for Q8_0 weights W = d * q (q8_0.py), through the kernel `path` (packs on every call)."""
+    return load().Linear(q, d, PATHS[path]).forward(x)
 
 
 def peak_macs_per_second(path: str, iterations: int = 20_000_000) -> float:

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import torch
 
+from specstand.kernels import KernelsUnavailable
 from specstand.models.presets import PRESETS, fetch
 from specstand.runner.compiled import attach_compiled
 from specstand.runner.generic import TransformersModel
@@ -15,7 +16,10 @@ from specstand.runner.transformer import SUPPORTED_ARCHITECTURES, DecoderModel
 
 TargetModel = DecoderModel | HybridModel | TransformersModel
 
-DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
+DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32, "q8_0": torch.bfloat16}
+# q8_0: the model loads in bf16 and its linears run as Q8_0 blocks (int8 + a scale per 32 weights) through
+# the compiled kernels, reading about half the bytes of bf16 per pass
+WEIGHT_FORMATS = {"q8_0": "q8_0"}
 
 
 class ModelError(ValueError):
@@ -72,7 +76,10 @@ def load_model(model: str, dtype: str = "bf16", max_seq_len: int = 2048, log=pri
     except OSError as error:
         raise ModelError(f"cannot load model {model!r}: {str(error).splitlines()[0]}") from None
     max_positions = min(max_seq_len, getattr(hf_model.config, "max_position_embeddings", max_seq_len))
-    decoder = target_model(hf_model, max_positions, log)
+    try:
+        decoder = target_model(hf_model, max_positions, log, WEIGHT_FORMATS.get(dtype, "bf16"))
+    except KernelsUnavailable as reason:
+        raise ModelError(f"--dtype {dtype} runs on the compiled kernels, which cannot run here: {reason}") from None
     stop_ids = {tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set()
     try:
         eos = GenerationConfig.from_pretrained(path).eos_token_id
@@ -82,17 +89,20 @@ def load_model(model: str, dtype: str = "bf16", max_seq_len: int = 2048, log=pri
     return LoadedModel(model, path, decoder, tokenizer, frozenset(stop_ids), max_positions)
 
 
-def target_model(hf_model, max_positions: int, log=print) -> TargetModel:
+def target_model(hf_model, max_positions: int, log=print, weight_format: str = "bf16") -> TargetModel:
     """Our forward for the model's architecture: Llama/Qwen2/Qwen3 (compiled where the CPU allows), the
-    hybrid families (Gemma 3, LFM2, Qwen3.5), else the transformers module itself (not exact)."""
+    hybrid families (Gemma 3, LFM2, Qwen3.5), else the transformers module itself (not exact). Weight
+    format q8_0 needs our compiled kernels (KernelsUnavailable otherwise)."""
     arch = type(hf_model).__name__
     if arch in SUPPORTED_ARCHITECTURES:
         decoder = DecoderModel(hf_model, max_positions)
-        attach_compiled(decoder, log=log)
+        attach_compiled(decoder, log=log, weight_format=weight_format)
         return decoder
     if arch in FAMILIES:
         hybrid = HybridModel(hf_model, max_positions)
-        hybrid.attach_kernels(log=log)
+        hybrid.attach_kernels(log=log, weight_format=weight_format)
         return hybrid
+    if weight_format != "bf16":
+        raise KernelsUnavailable(f"{arch} runs on the transformers module, which takes no {weight_format} weights")
     log(f"{arch} has no forward of ours: running the transformers module (not exact; the probe decides)")
     return TransformersModel(hf_model, max_positions)

@@ -10,19 +10,25 @@ steps); on avx2 and scalar they stay on torch's GEMMs, which are faster there fo
 from __future__ import annotations
 
 import os
+from dataclasses import replace
 
 import torch
 
 from specstand import kernels
-from specstand.runner.transformer import DecoderModel
+from specstand.kernels import q8_0
+from specstand.runner.transformer import DecoderModel, Weights
+
+WEIGHT_FORMATS = ("bf16", "q8_0")
+Q8Blocks = tuple[torch.Tensor, torch.Tensor]  # (q int8 [n, k], d fp16 [n, k / 32]): kernels/q8_0.py
 
 PROMPT_PATHS = ("amx", "avx512bf16")  # kernel paths that also compute prompt blocks
 
 
 class CompiledDecoder:
-    """Packed bf16 weights of a DecoderModel and its compiled forward."""
+    """Packed weights of a DecoderModel (bf16, or Q8_0 blocks: `weight_format`) and its compiled forward."""
 
-    def __init__(self, model: DecoderModel, path: str) -> None:
+    def __init__(self, model: DecoderModel, path: str, blocks: list[Q8Blocks] | None = None) -> None:
+        """`blocks`: Q8_0 blocks of model.linear_weights(), in that order, to run instead of the bf16 weights."""
         if model.dtype != torch.bfloat16:
             raise kernels.KernelsUnavailable("the compiled forward runs bf16 weights; this model is not bf16")
         s = model.shape
@@ -31,19 +37,26 @@ class CompiledDecoder:
         if s.hidden_size % 8 or s.head_dim % 8 or intermediate % 8:
             raise kernels.KernelsUnavailable("the compiled forward needs widths in multiples of 8")
         self.path = path
+        self.weight_format = "bf16" if blocks is None else "q8_0"
         self.fast_for_prompts = path in PROMPT_PATHS
         self.model = model
         module = kernels.load()
         self._decoder = module.Decoder(s.hidden_size, s.num_heads, s.num_kv_heads, s.head_dim, intermediate,
                                        s.rms_eps, kernels.PATHS[path])
+
+        isa = kernels.PATHS[path]
+        # packed in linear_weights() order: per layer qkv, o_proj, gate_up, down; then the head
+        packed = iter([module.Linear(weight, isa) for weight in model.linear_weights()] if blocks is None
+                      else [module.Linear(q, d, isa) for q, d in blocks])
         empty = torch.empty(0)
         for layer in w.layers:
+            qkv, o_proj, gate_up, down = next(packed), next(packed), next(packed), next(packed)
             self._decoder.add_layer(
-                layer.qkv, empty if layer.qkv_bias is None else layer.qkv_bias, layer.o_proj,
+                qkv, empty if layer.qkv_bias is None else layer.qkv_bias, o_proj,
                 empty if layer.q_norm is None else layer.q_norm, empty if layer.k_norm is None else layer.k_norm,
-                layer.input_norm, layer.post_attention_norm, layer.gate_up, layer.down,
+                layer.input_norm, layer.post_attention_norm, gate_up, down,
             )
-        self._decoder.set_head(w.embed_tokens.contiguous(), w.final_norm, w.lm_head, torch.view_as_real(model.rope))
+        self._decoder.set_head(w.embed_tokens.contiguous(), w.final_norm, next(packed), torch.view_as_real(model.rope))
 
     def forward(
         self,
@@ -71,16 +84,41 @@ class CompiledDecoder:
         return self._decoder.take_profile()
 
 
-def attach_compiled(model: DecoderModel, path: str | None = None, log=None) -> CompiledDecoder | None:
+def attach_compiled(model: DecoderModel, path: str | None = None, log=None,
+                    weight_format: str = "bf16") -> CompiledDecoder | None:
     """Give `model` its compiled forward (kernel `path`, default the best this CPU has) and return it, or
     leave it on the Python forward and return None (the reason logged) where that cannot run: not bf16,
-    no compiler, SPECSTAND_KERNEL_PATH=python, or a shape the kernels do not take."""
+    no compiler, SPECSTAND_KERNEL_PATH=python, or a shape the kernels do not take. `weight_format` q8_0
+    quantizes the linears to Q8_0 blocks, and the Python forward's weights to the same values, so prompts
+    computed by torch (avx2, scalar) see the model the compiled rows see; q8_0 needs the kernels."""
     try:
-        model.compiled = CompiledDecoder(model, path or kernels.best_path())
+        if weight_format not in WEIGHT_FORMATS:
+            raise ValueError(f"unknown weight format {weight_format!r} (choose from {', '.join(WEIGHT_FORMATS)})")
+        path = path or kernels.best_path()
+        blocks = [q8_0.quantize(t) for t in model.linear_weights()] if weight_format == "q8_0" else None
+        model.compiled = CompiledDecoder(model, path, blocks)
         if model.compiled.fast_for_prompts:
             model.prefill_weights = model.weights  # an fp32 copy for torch's prompt GEMMs is no longer read
+        if blocks is not None:
+            model.weights, model.prefill_weights = (_dequantized(model.weights, blocks),
+                                                    _dequantized(model.prefill_weights, blocks))
     except kernels.KernelsUnavailable as reason:
         model.compiled = None
+        if weight_format == "q8_0":
+            raise
         if log is not None and model.dtype == torch.bfloat16 and os.environ.get(kernels.PATH_ENV) != "python":
             log(str(reason))
     return model.compiled
+
+
+def _dequantized(weights: Weights, blocks: list[Q8Blocks]) -> Weights:
+    """`weights` with every linear (in linear_weights() order) replaced by the values of its Q8_0 blocks, in
+    the weight's own dtype (fp32 holds them exactly, bf16 rounds them)."""
+    values = iter(blocks)
+
+    def dequantized(t: torch.Tensor) -> torch.Tensor:
+        return q8_0.dequantize(*next(values)).to(t.dtype)
+
+    layers = [replace(layer, qkv=dequantized(layer.qkv), o_proj=dequantized(layer.o_proj),
+                      gate_up=dequantized(layer.gate_up), down=dequantized(layer.down)) for layer in weights.layers]
+    return replace(weights, layers=layers, lm_head=dequantized(weights.lm_head))

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from specstand.kernels import q8_0
 from specstand.runner.state_cache import StateCache
 from specstand.runner.transformer import _AttentionRun, attend, attention_runs
 
@@ -27,8 +28,15 @@ class Linear:
         self.weight, self.bias = weight, bias
         self.packed = None  # the kernels' packed copy of `weight`, once packed
 
-    def pack(self, module, isa: int) -> None:
-        self.packed = module.Linear(self.weight, isa)
+    def pack(self, module, isa: int, weight_format: str = "bf16") -> None:
+        """Pack for kernel path `isa`; q8_0 quantizes to Q8_0 blocks, and `weight` (torch's fallback and the
+        taps' reference) becomes the values they stand for."""
+        if weight_format == "q8_0":
+            q, d = q8_0.quantize(self.weight)
+            self.packed = module.Linear(q, d, isa)
+            self.weight = q8_0.dequantize(q, d).to(self.weight.dtype)
+        else:
+            self.packed = module.Linear(self.weight, isa)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.packed is None:

@@ -9,11 +9,20 @@ from specstand.drafters import DRAFTERS, Draft, Drafter, SequenceView, make_draf
 from specstand.engine import Engine, EngineConfig, Request
 from specstand.engine import engine as engine_module
 from specstand.runner.transformer import DecoderModel
-from tests.conftest import DTYPES, FAMILIES, FORWARDS, random_prompts, tiny_decoder, tiny_hf_model
+from tests.conftest import DTYPES, FAMILIES, FORWARDS, KERNEL_PATHS, random_prompts, tiny_decoder, tiny_hf_model
 
 K = 5
-# (dtype, forward): fp32 runs the Python forward; bf16 runs it and every kernel path this CPU has
-NUMERICS = [("fp32", "python")] + [("bf16", forward) for forward in FORWARDS]
+# (dtype, forward): fp32 runs the Python forward; bf16 runs it and every kernel path this CPU has; q8_0
+# (Q8_0 blocks of the bf16 weights) runs every kernel path
+NUMERICS = ([("fp32", "python")] + [("bf16", forward) for forward in FORWARDS]
+            + [("q8_0", forward) for forward in KERNEL_PATHS])
+
+
+def target(family: str, dtype: str, forward: str) -> DecoderModel:
+    """A tiny `family` target with the numerics (dtype, forward) of NUMERICS."""
+    if dtype == "q8_0":
+        return tiny_decoder(family, torch.bfloat16, forward=forward, weight_format="q8_0")
+    return tiny_decoder(family, DTYPES[dtype], forward=forward)
 
 
 def _engine(model: DecoderModel, drafter: Drafter | None, max_batch: int = 1) -> Engine:
@@ -49,7 +58,7 @@ class ScriptedDrafter(Drafter):
 @pytest.mark.parametrize(("dtype", "forward"), NUMERICS)
 @pytest.mark.parametrize("family", FAMILIES)
 def test_every_drafter_is_token_identical_to_plain_greedy(family, dtype, forward):
-    assert_every_drafter_answers_as_plain_decoding(tiny_decoder(family, DTYPES[dtype], forward=forward),
+    assert_every_drafter_answers_as_plain_decoding(target(family, dtype, forward),
                                                    random_prompts(8, 40, seed=3))
 
 
@@ -82,7 +91,7 @@ def test_batched_drafting_over_long_prompts_sharing_a_head(family, forward):
 
 @pytest.mark.parametrize(("dtype", "forward"), NUMERICS)
 def test_alternating_drafted_and_undrafted_steps(dtype, forward):
-    model = tiny_decoder("qwen3", DTYPES[dtype], forward=forward)
+    model = target("qwen3", dtype, forward)
     prompts = random_prompts(4, 30, seed=5)
     baseline = _outputs(_engine(model, None), prompts)
     drafter = ScriptedDrafter(dict(enumerate(baseline)))
@@ -158,7 +167,7 @@ def test_lossless_whichever_way_prompts_are_computed(fp32_prefill):
 
 @pytest.mark.parametrize(("dtype", "forward"), NUMERICS)
 def test_prefix_reuse_is_exact(dtype, forward):
-    model = tiny_decoder("qwen2", DTYPES[dtype], forward=forward)
+    model = target("qwen2", dtype, forward)
     head = random_prompts(1, 140, seed=21)[0]
     first, second = head + [3, 4, 5], head + [6, 7]
     warm = _engine(model, make_drafter("ngram"))

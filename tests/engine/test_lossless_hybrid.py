@@ -12,7 +12,16 @@ from specstand.engine import engine as engine_module
 from specstand.runner.kv_cache import KVCache
 from specstand.runner.state_cache import StateCache
 from specstand.verification import SamplingParams
-from tests.conftest import DTYPES, FORWARDS, HYBRID_FAMILIES, RECURRENT_FAMILIES, FixedCost, random_prompts, tiny_hybrid
+from tests.conftest import (
+    DTYPES,
+    FORWARDS,
+    HYBRID_FAMILIES,
+    KERNEL_PATHS,
+    RECURRENT_FAMILIES,
+    FixedCost,
+    random_prompts,
+    tiny_hybrid,
+)
 from tests.engine.test_lossless import K, ScriptedDrafter, assert_every_drafter_answers_as_plain_decoding
 from tests.engine.test_sampling import PARAMS, assert_follows_the_joint_law, exact_joint, likeliest_second_drafter
 
@@ -25,9 +34,10 @@ def _outputs(engine: Engine, prompts: list[list[int]], max_tokens: int = 48) -> 
     return [r.output_ids for r in engine.generate([Request(p, max_tokens) for p in prompts])]
 
 
-# fp32 and bf16 on torch's linears, and bf16 on the best compiled linears (every kernel path's rows are
-# checked for invariance in tests/runner/test_hybrid.py)
-NUMERICS = list(dict.fromkeys([("fp32", "python"), ("bf16", "python"), ("bf16", FORWARDS[-1])]))
+# fp32 and bf16 on torch's linears, bf16 and Q8_0 blocks on the best compiled linears (every kernel path's
+# rows are checked for invariance in tests/runner/test_hybrid.py and tests/kernels)
+NUMERICS = list(dict.fromkeys([("fp32", "python"), ("bf16", "python"), ("bf16", FORWARDS[-1])]
+                              + [("q8_0", path) for path in KERNEL_PATHS[-1:]]))
 
 
 def broken_rollback(self: StateCache, slot: int, length: int) -> None:
@@ -42,7 +52,9 @@ def broken_rollback(self: StateCache, slot: int, length: int) -> None:
 @pytest.mark.parametrize(("dtype", "forward"), NUMERICS)
 @pytest.mark.parametrize("family", HYBRID_FAMILIES)
 def test_every_drafter_is_token_identical_to_plain_greedy(family, dtype, forward):
-    assert_every_drafter_answers_as_plain_decoding(tiny_hybrid(family, DTYPES[dtype], forward=forward),
+    model = (tiny_hybrid(family, DTYPES["bf16"], forward=forward, weight_format="q8_0") if dtype == "q8_0"
+             else tiny_hybrid(family, DTYPES[dtype], forward=forward))
+    assert_every_drafter_answers_as_plain_decoding(model,
                                                    random_prompts(6, 40, seed=3))
 
 

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from specstand import kernels
+from specstand.kernels import q8_0
 from specstand.runner import PassInput, TargetRunner
 from specstand.runner import runner as runner_module
 from specstand.runner.compiled import attach_compiled
@@ -44,13 +45,42 @@ def test_logits_at_least_as_close_to_fp32_as_transformers_bf16(family, path, hea
     assert our_error < 0.05  # and not merely "no worse": the reference's logits span about +-1
 
 
+@pytest.mark.parametrize("path", KERNEL_PATHS)
+@pytest.mark.parametrize("family", FAMILIES)
+def test_q8_0_logits_at_least_as_close_to_fp32_as_transformers_bf16_on_the_same_values(family, path):
+    """Q8_0 weights: against the fp32 forward of the values the blocks stand for, no further off than
+    transformers' bf16 forward of those values."""
+    hf = tiny_hf_model(family, torch.bfloat16, head_dim=64)
+    model = DecoderModel(hf, 512)
+    attach_compiled(model, path, weight_format="q8_0")
+    reference = copy.deepcopy(hf).float()
+    with torch.no_grad():  # the blocks' values into the reference (HF layout: quantize the original rows)
+        for module in reference.modules():
+            if isinstance(module, torch.nn.Linear):
+                module.weight.copy_(q8_0.dequantize(*q8_0.quantize(module.weight)))
+    theirs_model = copy.deepcopy(reference).bfloat16()
+    prompt = random_prompts(1, 90, seed=4)[0]
+    runner = TargetRunner(model, num_slots=1, capacity=256)
+    slot = runner.cache.allocate()
+    runner.prefill(slot, prompt[:64])
+    ours = torch.cat([runner.run([PassInput(slot, prompt[i : i + 6])], 6)[0].logits for i in range(64, 88, 6)])
+    with torch.no_grad():
+        exact = reference(torch.tensor([prompt])).logits[0, 64:88].double()
+        theirs = theirs_model(torch.tensor([prompt])).logits[0, 64:88].double()
+    assert runner.compiled.weight_format == "q8_0"
+    our_error = (ours.double() - exact).abs().max()
+    assert our_error <= (theirs - exact).abs().max()
+    assert our_error < 0.05
+
+
+@pytest.mark.parametrize("weight_format", ["bf16", "q8_0"])
 @pytest.mark.parametrize("head_dim", HEAD_DIMS)
 @pytest.mark.parametrize("path", KERNEL_PATHS)
 @pytest.mark.parametrize("family", ["llama", "qwen3"])
-def test_rows_are_bit_identical_whatever_shares_the_pass(family, path, head_dim):
+def test_rows_are_bit_identical_whatever_shares_the_pass(family, path, head_dim, weight_format):
     """Three requests at different cache lengths; each row computed alone equals the same row computed in
     passes of every mix of request counts and row counts (1..K+1 rows each)."""
-    model = tiny_decoder(family, torch.bfloat16, forward=path, head_dim=head_dim)
+    model = tiny_decoder(family, torch.bfloat16, forward=path, head_dim=head_dim, weight_format=weight_format)
     runner = TargetRunner(model, num_slots=3, capacity=400)
     prompts = [random_prompts(1, n, seed=n)[0] for n in (64, 150, 220)]
     tails = random_prompts(3, 12, seed=9)
@@ -79,14 +109,17 @@ def test_rows_are_bit_identical_whatever_shares_the_pass(family, path, head_dim)
             assert torch.equal(mixed[i], alone[i]), (groups, i)
 
 
+@pytest.mark.parametrize("weight_format", ["bf16", "q8_0"])
 @pytest.mark.parametrize("chunk", [512, 48])
 @pytest.mark.parametrize("path", KERNEL_PATHS)
-def test_prompt_blocks_equal_one_row_at_a_time_where_the_kernels_compute_prompts(path, chunk, monkeypatch):
+def test_prompt_blocks_equal_one_row_at_a_time_where_the_kernels_compute_prompts(path, chunk, weight_format,
+                                                                                 monkeypatch):
     """On amx/avx512bf16 prompts run through the kernels too: a 150-token prompt in passes of `chunk` rows
     (logits from the last one only) leaves the same cache and last logits, to the bit, as feeding it one
     token a pass."""
     monkeypatch.setattr(runner_module, "PROMPT_CHUNK", chunk)
-    runner = TargetRunner(tiny_decoder("qwen2", torch.bfloat16, forward=path, head_dim=64), 2, 256)
+    model = tiny_decoder("qwen2", torch.bfloat16, forward=path, head_dim=64, weight_format=weight_format)
+    runner = TargetRunner(model, 2, 256)
     assert runner.compiled_prompts == (path in ("amx", "avx512bf16"))
     if not runner.compiled_prompts:
         pytest.skip(f"on {path} torch computes prompt blocks (the Python forward's tests cover them)")
@@ -122,6 +155,15 @@ def test_the_python_forward_can_be_forced_and_fp32_keeps_it(monkeypatch):
     assert attach_compiled(model) is not None and TargetRunner(model, 1, 128).compiled is model.compiled
     fp32 = DecoderModel(tiny_hf_model("llama", torch.float32), 512)
     assert attach_compiled(fp32, log=logged.append) is None and logged == []  # fp32 runs the Python forward
+
+
+def test_q8_0_without_the_kernels_is_refused_not_run_as_bf16(monkeypatch):
+    monkeypatch.setenv(kernels.PATH_ENV, "python")
+    model = DecoderModel(tiny_hf_model("llama", torch.bfloat16), 512)
+    with pytest.raises(kernels.KernelsUnavailable, match="python"):
+        attach_compiled(model, weight_format="q8_0")
+    with pytest.raises(ValueError, match="unknown weight format"):
+        attach_compiled(model, KERNEL_PATHS[-1], weight_format="q4")
 
 
 @pytest.mark.parametrize("path", KERNEL_PATHS)

@@ -56,6 +56,25 @@ inline float bf16_to_float(uint16_t v) {
   return f;
 }
 
+// IEEE half to float, exactly (every half is a float); the scales of Q8_0 blocks are stored so.
+inline float fp16_to_float(uint16_t h) {
+  const uint32_t sign = uint32_t(h & 0x8000u) << 16, exponent = (h >> 10) & 0x1fu, mantissa = h & 0x3ffu;
+  float magnitude;
+  if (exponent == 0) {
+    magnitude = std::ldexp(float(mantissa), -24);  // zero or subnormal
+  } else if (exponent == 31) {
+    magnitude = mantissa ? NAN : INFINITY;
+  } else {
+    magnitude = std::ldexp(float(mantissa | 0x400u), int(exponent) - 25);
+  }
+  uint32_t bits;
+  std::memcpy(&bits, &magnitude, 4);
+  bits |= sign;
+  float f;
+  std::memcpy(&f, &bits, 4);
+  return f;
+}
+
 // Round to nearest even, as torch's .to(torch.bfloat16) does.
 inline uint16_t float_to_bf16(float f) {
   uint32_t bits;

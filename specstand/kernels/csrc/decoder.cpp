@@ -66,6 +66,30 @@ struct PhaseClock {
   }
 };
 
+inline Isa runnable(int64_t isa) {
+  TORCH_CHECK(cpu_has(static_cast<Isa>(isa)), "this CPU cannot run that path");
+  return static_cast<Isa>(isa);
+}
+
+// A packed weight handed over from Python: the decoder's layers take these, and drafter layers and
+// benchmarks call them directly. bf16 weights, or Q8_0 blocks (int8 values + fp16 scales per 32 k).
+struct Linear {
+  PackedLinear packed;
+  Linear(const at::Tensor& weight, int64_t isa) : packed(pack_linear(weight, runnable(isa))) {}
+  Linear(const at::Tensor& q, const at::Tensor& d, int64_t isa) : packed(pack_linear_q8_0(q, d, runnable(isa))) {}
+  at::Tensor forward(const at::Tensor& x) const {
+    at::Tensor input = x.to(at::kFloat).contiguous();
+    TORCH_CHECK(input.size(-1) == packed.k, "x must end in ", packed.k);
+    const int64_t m = input.numel() / packed.k;
+    std::vector<int64_t> shape(input.sizes().begin(), input.sizes().end());
+    shape.back() = packed.n;
+    at::Tensor y = at::empty(shape, at::kFloat);
+    linear(packed, input.data_ptr<float>(), m, packed.k, y.data_ptr<float>(), packed.n);
+    return y;
+  }
+  std::string format() const { return packed.format == Format::q8_0 ? "q8_0" : "bf16"; }
+};
+
 struct DecoderLayer {
   PackedLinear qkv, o_proj, gate_up, down;
   std::vector<float> input_norm, post_attention_norm, qkv_bias, q_norm, k_norm;
@@ -82,14 +106,17 @@ class Decoder {
     TORCH_CHECK(cpu_has(isa_), "this CPU cannot run the ", isa_name(isa_), " kernels");
   }
 
-  void add_layer(const at::Tensor& qkv, const at::Tensor& qkv_bias, const at::Tensor& o_proj,
-                 const at::Tensor& q_norm, const at::Tensor& k_norm, const at::Tensor& input_norm,
-                 const at::Tensor& post_attention_norm, const at::Tensor& gate_up, const at::Tensor& down) {
+  // The linears come packed (Linear), each for this decoder's path, in either weight format.
+  void add_layer(const Linear& qkv, const at::Tensor& qkv_bias, const Linear& o_proj, const at::Tensor& q_norm,
+                 const at::Tensor& k_norm, const at::Tensor& input_norm, const at::Tensor& post_attention_norm,
+                 const Linear& gate_up, const Linear& down) {
+    for (const Linear* lin : {&qkv, &o_proj, &gate_up, &down})
+      TORCH_CHECK(lin->packed.isa == isa_, "a linear packed for ", isa_name(lin->packed.isa), ", not ", isa_name(isa_));
     DecoderLayer layer;
-    layer.qkv = pack_linear(qkv, isa_);
-    layer.o_proj = pack_linear(o_proj, isa_);
-    layer.gate_up = pack_linear(gate_up, isa_);
-    layer.down = pack_linear(down, isa_);
+    layer.qkv = qkv.packed;
+    layer.o_proj = o_proj.packed;
+    layer.gate_up = gate_up.packed;
+    layer.down = down.packed;
     layer.qkv_bias = to_floats(qkv_bias);
     layer.q_norm = to_floats(q_norm);
     layer.k_norm = to_floats(k_norm);
@@ -100,12 +127,13 @@ class Decoder {
     layers_.push_back(std::move(layer));
   }
 
-  void set_head(const at::Tensor& embed_tokens, const at::Tensor& final_norm, const at::Tensor& lm_head,
+  void set_head(const at::Tensor& embed_tokens, const at::Tensor& final_norm, const Linear& lm_head,
                 const at::Tensor& rope) {
+    TORCH_CHECK(lm_head.packed.isa == isa_, "the head is packed for another path");
     TORCH_CHECK(embed_tokens.scalar_type() == at::kBFloat16 && embed_tokens.is_contiguous(), "embedding: bf16");
     embed_ = embed_tokens;  // shared with the Python model, not copied
     final_norm_ = to_floats(final_norm);
-    lm_head_ = pack_linear(lm_head, isa_);
+    lm_head_ = lm_head.packed;
     rope_ = rope.to(at::kFloat).contiguous();  // [positions, head_dim / 2, (cos, sin)]
     TORCH_CHECK(rope_.dim() == 3 && rope_.size(1) * 2 == head_dim_, "rope table shape");
   }
@@ -254,48 +282,22 @@ class Decoder {
 namespace {
 
 using specstand::Isa;
-
-Isa runnable(int64_t isa) {
-  TORCH_CHECK(specstand::cpu_has(static_cast<Isa>(isa)), "this CPU cannot run that path");
-  return static_cast<Isa>(isa);
-}
-
-// Test and benchmark entry: pack `weight` for `isa` and run x [m, k] fp32 through it.
-at::Tensor linear_once(const at::Tensor& weight, const at::Tensor& x, int64_t isa) {
-  const specstand::PackedLinear packed = specstand::pack_linear(weight, runnable(isa));
-  at::Tensor input = x.to(at::kFloat).contiguous();
-  TORCH_CHECK(input.dim() == 2 && input.size(1) == packed.k, "x must be [m, ", packed.k, "]");
-  at::Tensor y = at::empty({input.size(0), packed.n}, at::kFloat);
-  specstand::linear(packed, input.data_ptr<float>(), input.size(0), packed.k, y.data_ptr<float>(), packed.n);
-  return y;
-}
-
-// A packed weight kept on the Python side (drafter layers and benchmarks call it many times).
-struct Linear {
-  specstand::PackedLinear packed;
-  Linear(const at::Tensor& weight, int64_t isa) : packed(specstand::pack_linear(weight, runnable(isa))) {}
-  at::Tensor forward(const at::Tensor& x) const {
-    at::Tensor input = x.to(at::kFloat).contiguous();
-    TORCH_CHECK(input.size(-1) == packed.k, "x must end in ", packed.k);
-    const int64_t m = input.numel() / packed.k;
-    std::vector<int64_t> shape(input.sizes().begin(), input.sizes().end());
-    shape.back() = packed.n;
-    at::Tensor y = at::empty(shape, at::kFloat);
-    specstand::linear(packed, input.data_ptr<float>(), m, packed.k, y.data_ptr<float>(), packed.n);
-    return y;
-  }
-};
+using specstand::Linear;
+using specstand::runnable;
 
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("cpu_has", [](int64_t isa) { return specstand::cpu_has(static_cast<Isa>(isa)); });
   m.def("isa_name", [](int64_t isa) { return std::string(specstand::isa_name(static_cast<Isa>(isa))); });
-  m.def("linear_once", &linear_once);
   m.def("peak_macs_per_second", [](int64_t isa, int64_t iterations) {
     return specstand::peak_macs_per_second(static_cast<Isa>(isa), iterations);
   });
-  py::class_<Linear>(m, "Linear").def(py::init<const at::Tensor&, int64_t>()).def("forward", &Linear::forward);
+  py::class_<Linear>(m, "Linear")
+      .def(py::init<const at::Tensor&, int64_t>())
+      .def(py::init<const at::Tensor&, const at::Tensor&, int64_t>())
+      .def("forward", &Linear::forward)
+      .def_property_readonly("format", &Linear::format);
   py::class_<specstand::Decoder>(m, "Decoder")
       .def(py::init<int64_t, int64_t, int64_t, int64_t, int64_t, double, int64_t>())
       .def("add_layer", &specstand::Decoder::add_layer)

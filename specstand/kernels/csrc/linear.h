@@ -7,23 +7,39 @@
 
 namespace specstand {
 
+// How a packed weight stores its values.
+//   bf16: one bf16 per weight.
+//   q8_0: GGUF's Q8_0 blocks: per output column, 32 consecutive k share an fp16 scale d and each weight is
+//         d * q with q an int8; 1.0625 bytes a weight.
+enum class Format : int { bf16 = 0, q8_0 = 1 };
+
 // Weights packed once at load: strips of 16 output columns, each strip k-pair major,
-// [n_pad / 16][k_pad / 2][16 columns][2 k] bf16. One 64-byte load holds two k of 16 columns: the operand
-// of vdpbf16ps as it is, and two fp32 vectors of 8 columns each after a shift or a mask on AVX2.
+// [n_pad / 16][k_pad / 2][16 columns][2 k]. bf16: one 64-byte load holds two k of 16 columns, the operand
+// of vdpbf16ps as it is, and two fp32 vectors of 8 columns each after a shift or a mask on AVX2. q8_0: the
+// same order in int8 (32 bytes per k pair), and per strip the scales [k_pad / 32 blocks][16 columns] fp16.
 struct PackedLinear {
   int64_t n = 0, k = 0, n_pad = 0, k_pad = 0;
   Isa isa = Isa::scalar;
-  at::Tensor data;               // bf16 storage, 64-byte aligned by torch's CPU allocator
+  Format format = Format::bf16;
+  at::Tensor data;                 // bf16 or int8 storage, 64-byte aligned by torch's CPU allocator
+  at::Tensor scales;               // q8_0: fp16 block scales
   const uint16_t* base = nullptr;  // data's first element, read in the tile loops
+  const int8_t* qbase = nullptr;
+  const uint16_t* scale_base = nullptr;
 
   const uint16_t* strip(int64_t s) const { return base + s * k_pad * 16; }
+  const int8_t* q_strip(int64_t s) const { return qbase + s * k_pad * 16; }
+  const uint16_t* scale_strip(int64_t s) const { return scale_base + s * (k_pad / 32) * 16; }
 };
 
 PackedLinear pack_linear(const at::Tensor& weight, Isa isa);
+// q: [n, k] int8, d: [n, ceil(k / 32)] fp16 (the scale of each column's block of 32 k).
+PackedLinear pack_linear_q8_0(const at::Tensor& q, const at::Tensor& d, Isa isa);
 
 // x: m rows of k floats (row stride x_stride); y: m rows of n floats (row stride y_stride).
 // Every y element is computed by the same instructions whatever m is; threads split the columns.
 void linear(const PackedLinear& w, const float* x, int64_t m, int64_t x_stride, float* y, int64_t y_stride);
+void linear_q8_0(const PackedLinear& w, const float* x, int64_t m, int64_t x_stride, float* y, int64_t y_stride);
 
 // A register-only loop of the path's multiply-accumulate instruction: multiply-accumulates per second
 // on one core (the compute roofline).

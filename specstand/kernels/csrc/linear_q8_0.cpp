@@ -1,0 +1,263 @@
+// The linear kernel family on Q8_0 weights (int8 values, an fp16 scale per 32 k of a column), three
+// instruction paths side by side. It reads about half the bytes of bf16 weights: what decoding is bound by.
+//
+// Every output element is computed block by block: the block's 32 products are summed into a fresh
+// partial, and the partial, times the block's scale, is added to the element's fp32 accumulator (one FMA).
+// Same instructions whatever the row count, no split over k, threads split columns only: row i of an
+// m-row call is bit-identical to a 1-row call, as for bf16 weights.
+//   avx512 (avx512bf16 and amx CPUs, with AVX512-VNNI): integer dot products, so the weights are never
+//     widened. Each row's block of 32 activations is put on a 16-bit fixed-point grid whose step is a
+//     power of two (2^e, the largest |x| of the block maps to at most 32639: 15-16 bits of it kept, more
+//     than bf16's 8) and split in two int8 halves; vpdpbusd sums (q + 128) x half exactly in int32, the
+//     offset 128 x sum(x) is taken off, the exact block sum is converted to fp32 (one rounding) and added
+//     times d * 2^e (exact).
+//   avx2:   int8 widened to fp32 in registers, fp32 activations, one FMA per k into the block's partial.
+//   scalar: the avx2 path's sums in plain C++ (one fmaf per k): the two give the same bits.
+#include <ATen/Parallel.h>
+#include <immintrin.h>
+
+#include <cmath>
+
+#include "linear.h"
+#include "tiles.h"
+
+namespace specstand {
+
+static bool vnni_path(Isa isa) {
+  static const bool vnni = __builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("avx512bw");
+  return (isa == Isa::avx512bf16 || isa == Isa::amx) && vnni;
+}
+
+PackedLinear pack_linear_q8_0(const at::Tensor& q, const at::Tensor& d, Isa isa) {
+  TORCH_CHECK(q.dim() == 2 && q.scalar_type() == at::kChar, "pack_linear_q8_0 takes int8 values [n, k]");
+  TORCH_CHECK(d.dim() == 2 && d.scalar_type() == at::kHalf && d.size(0) == q.size(0) &&
+                  d.size(1) == (q.size(1) + 31) / 32,
+              "pack_linear_q8_0 takes fp16 scales [n, ceil(k / 32)]");
+  const at::Tensor values = q.contiguous(), block_scales = d.contiguous();
+  PackedLinear p;
+  p.n = values.size(0);
+  p.k = values.size(1);
+  p.n_pad = (p.n + 15) / 16 * 16;
+  p.k_pad = (p.k + 31) / 32 * 32;
+  p.isa = isa;
+  p.format = Format::q8_0;
+  const int64_t blocks = p.k_pad / 32;
+  p.data = at::zeros({p.n_pad * p.k_pad}, at::kChar);  // padded columns and k hold q = 0
+  p.scales = at::zeros({p.n_pad * blocks}, at::kHalf);
+  auto* dst = p.data.data_ptr<int8_t>();
+  auto* scale_dst = reinterpret_cast<uint16_t*>(p.scales.data_ptr());
+  p.qbase = dst;
+  p.scale_base = scale_dst;
+  const auto* src = values.data_ptr<int8_t>();
+  const auto* scale_src = reinterpret_cast<const uint16_t*>(block_scales.data_ptr());
+  // avx512: k quads, [k_pad / 4][16 columns][4 k] of q + 128 (vpdpbusd's unsigned operand); else k pairs of q
+  const bool quads = vnni_path(isa);
+  if (quads) std::memset(dst, 128, p.n_pad * p.k_pad);  // padding holds q = 0 too
+  at::parallel_for(0, p.n, 64, [&](int64_t begin, int64_t end) {
+    for (int64_t col = begin; col < end; ++col) {
+      int8_t* strip = dst + (col / 16) * p.k_pad * 16;
+      for (int64_t kk = 0; kk < p.k; ++kk) {
+        if (quads) {
+          strip[(kk / 4) * 64 + (col % 16) * 4 + (kk % 4)] = int8_t(uint8_t(src[col * p.k + kk] + 128));
+        } else {
+          strip[(kk / 2) * 32 + (col % 16) * 2 + (kk % 2)] = src[col * p.k + kk];
+        }
+      }
+      uint16_t* scales = scale_dst + (col / 16) * blocks * 16;
+      for (int64_t b = 0; b < blocks; ++b) scales[b * 16 + col % 16] = scale_src[col * blocks + b];
+    }
+  });
+  return p;
+}
+
+// ---- avx512 (VNNI): R rows x NB strips; per element two int32 partials (high and low halves) and the sum ----
+// The rows' activations on their fixed-point grids: per row, k_pad high and low int8 halves, and per block
+// the step exponent and 128 x the sum of the fixed-point values (the offset the unsigned weights add).
+struct FixedPointRows {
+  std::vector<int8_t> high, low;
+  std::vector<float> step;       // 2^e per row and block
+  std::vector<int32_t> offset;   // 128 x sum of the block's fixed-point values
+};
+
+static FixedPointRows fixed_point_rows(const float* x, int64_t m, int64_t k, int64_t x_stride, int64_t k_pad) {
+  const int64_t blocks = k_pad / 32;
+  FixedPointRows rows{std::vector<int8_t>(m * k_pad, 0), std::vector<int8_t>(m * k_pad, 0),
+                      std::vector<float>(m * blocks, 0.0f), std::vector<int32_t>(m * blocks, 0)};
+  at::parallel_for(0, m, 8, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r)
+      for (int64_t block = 0; block < blocks; ++block) {
+        const int64_t k0 = block * 32, k1 = std::min<int64_t>(k, k0 + 32);
+        float largest = 0.0f;
+        bool finite = true;
+        for (int64_t kk = k0; kk < k1; ++kk) {
+          const float v = x[r * x_stride + kk];
+          finite = finite && std::isfinite(v);
+          largest = std::max(largest, std::fabs(v));
+        }
+        if (!finite) {  // a NaN or an infinity: the block's sums come out NaN, as a float dot product's would
+          rows.step[r * blocks + block] = NAN;
+          continue;
+        }
+        if (largest == 0.0f) continue;  // step 0: the block adds nothing
+        int e;
+        std::frexp(largest / 32639.0f, &e);  // 2^e >= largest / 32639 > 2^(e - 1)
+        const float step = std::ldexp(1.0f, e), inverse = std::ldexp(1.0f, -e);
+        int32_t sum = 0;
+        for (int64_t kk = k0; kk < k1; ++kk) {
+          const int32_t v = int32_t(std::nearbyint(x[r * x_stride + kk] * inverse));  // |v| <= 32639
+          const int32_t low = ((v + 128) & 255) - 128;
+          rows.low[r * k_pad + kk] = int8_t(low);
+          rows.high[r * k_pad + kk] = int8_t((v - low) / 256);
+          sum += v;
+        }
+        rows.step[r * blocks + block] = step;
+        rows.offset[r * blocks + block] = 128 * sum;
+      }
+  });
+  return rows;
+}
+
+template <int R, int NB>
+__attribute__((target("avx512f,avx512bw,avx512vnni"))) static void tile_q8_avx512(
+    const PackedLinear& w, int64_t s0, const FixedPointRows& xq, int64_t r0, float* y, int64_t ys) {
+  const int64_t blocks = w.k_pad / 32;
+  __m512 acc[R][NB];
+  for (int r = 0; r < R; ++r)
+    for (int b = 0; b < NB; ++b) acc[r][b] = _mm512_setzero_ps();
+  for (int64_t block = 0; block < blocks; ++block) {
+    __m512i high[R][NB], low[R][NB];
+    for (int r = 0; r < R; ++r)
+      for (int b = 0; b < NB; ++b) high[r][b] = low[r][b] = _mm512_setzero_si512();
+    for (int64_t quad = block * 8; quad < block * 8 + 8; ++quad) {
+      __m512i wv[NB];
+      for (int b = 0; b < NB; ++b) wv[b] = _mm512_load_si512(w.q_strip(s0 + b) + quad * 64);
+      for (int r = 0; r < R; ++r) {
+        int32_t h, l;
+        std::memcpy(&h, xq.high.data() + (r0 + r) * w.k_pad + 4 * quad, 4);
+        std::memcpy(&l, xq.low.data() + (r0 + r) * w.k_pad + 4 * quad, 4);
+        const __m512i hv = _mm512_set1_epi32(h), lv = _mm512_set1_epi32(l);
+        for (int b = 0; b < NB; ++b) {
+          high[r][b] = _mm512_dpbusd_epi32(high[r][b], wv[b], hv);
+          low[r][b] = _mm512_dpbusd_epi32(low[r][b], wv[b], lv);
+        }
+      }
+    }
+    for (int b = 0; b < NB; ++b) {
+      const uint16_t* scales = w.scale_strip(s0 + b) + block * 16;
+      const __m512 d = _mm512_cvtph_ps(_mm256_load_si256(reinterpret_cast<const __m256i*>(scales)));
+      for (int r = 0; r < R; ++r) {
+        const int64_t at = (r0 + r) * blocks + block;
+        const __m512i exact = _mm512_sub_epi32(_mm512_add_epi32(_mm512_slli_epi32(high[r][b], 8), low[r][b]),
+                                               _mm512_set1_epi32(xq.offset[at]));
+        const __m512 scale = _mm512_mul_ps(d, _mm512_set1_ps(xq.step[at]));  // exact: times a power of two
+        acc[r][b] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(exact), scale, acc[r][b]);
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int b = 0; b < NB; ++b) {
+      const int64_t col = (s0 + b) * 16, valid = std::min<int64_t>(16, w.n - col);
+      if (valid == 16) {
+        _mm512_storeu_ps(y + r * ys + col, acc[r][b]);
+      } else if (valid > 0) {
+        _mm512_mask_storeu_ps(y + r * ys + col, (__mmask16)((1u << valid) - 1), acc[r][b]);
+      }
+    }
+}
+
+// ---- avx2: R rows x one strip; the strip's 16 columns are two ymm partials and two accumulators -------------
+template <int R>
+__attribute__((target("avx2,fma,f16c"))) static void tile_q8_avx2(const PackedLinear& w, int64_t s, const float* x,
+                                                                  int64_t xs, float* y, int64_t ys) {
+  __m256 acc[R][2];
+  for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
+  const int8_t* strip = w.q_strip(s);
+  const uint16_t* scales = w.scale_strip(s);
+  for (int64_t block = 0; block < w.k_pad / 32; ++block) {
+    __m256 part[R][2];
+    for (int r = 0; r < R; ++r) part[r][0] = part[r][1] = _mm256_setzero_ps();
+    for (int64_t p = block * 16; p < block * 16 + 16; ++p)
+      for (int h = 0; h < 2; ++h) {  // columns 0-7, then 8-15: 16 int8 = (col, k even), (col, k odd) pairs
+        const __m256i v = _mm256_cvtepi8_epi16(_mm_load_si128(reinterpret_cast<const __m128i*>(strip + p * 32 + h * 16)));
+        const __m256 even = _mm256_cvtepi32_ps(_mm256_srai_epi32(_mm256_slli_epi32(v, 16), 16));
+        const __m256 odd = _mm256_cvtepi32_ps(_mm256_srai_epi32(v, 16));
+        for (int r = 0; r < R; ++r) {
+          part[r][h] = _mm256_fmadd_ps(_mm256_broadcast_ss(x + r * xs + 2 * p), even, part[r][h]);
+          part[r][h] = _mm256_fmadd_ps(_mm256_broadcast_ss(x + r * xs + 2 * p + 1), odd, part[r][h]);
+        }
+      }
+    for (int h = 0; h < 2; ++h) {
+      const __m256 d = _mm256_cvtph_ps(_mm_load_si128(reinterpret_cast<const __m128i*>(scales + block * 16 + h * 8)));
+      for (int r = 0; r < R; ++r) acc[r][h] = _mm256_fmadd_ps(part[r][h], d, acc[r][h]);
+    }
+  }
+  alignas(32) float tmp[16];
+  for (int r = 0; r < R; ++r) {
+    _mm256_store_ps(tmp, acc[r][0]);
+    _mm256_store_ps(tmp + 8, acc[r][1]);
+    for (int64_t c = 0; c < std::min<int64_t>(16, w.n - s * 16); ++c) y[r * ys + s * 16 + c] = tmp[c];
+  }
+}
+
+// ---- scalar: the avx2 path's order (per block: k even, then k odd, per pair; then the scaled partial) --------
+static void tile_q8_scalar(const PackedLinear& w, int64_t s, const float* x, int64_t xs, int64_t rows, float* y,
+                           int64_t ys) {
+  const int8_t* strip = w.q_strip(s);
+  const uint16_t* scales = w.scale_strip(s);
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t c = 0; c < 16 && s * 16 + c < w.n; ++c) {
+      float acc = 0.0f;
+      for (int64_t block = 0; block < w.k_pad / 32; ++block) {
+        float part = 0.0f;
+        for (int64_t p = block * 16; p < block * 16 + 16; ++p) {
+          part = std::fmaf(x[r * xs + 2 * p], float(strip[p * 32 + c * 2]), part);
+          part = std::fmaf(x[r * xs + 2 * p + 1], float(strip[p * 32 + c * 2 + 1]), part);
+        }
+        acc = std::fmaf(part, fp16_to_float(scales[block * 16 + c]), acc);
+      }
+      y[r * ys + s * 16 + c] = acc;
+    }
+}
+
+static void linear_q8_avx512(const PackedLinear& w, const float* x, int64_t m, int64_t x_stride, float* y,
+                             int64_t y_stride) {
+  constexpr int NB = 3;  // 3 rows x 3 strips: 27 partials and accumulators + 3 weights of 32 zmm
+  const FixedPointRows xq = fixed_point_rows(x, m, w.k, x_stride, w.k_pad);
+  for_strip_groups<NB>(w, [&](int64_t s0, int64_t nb) {
+    run_rows<3>(m, [&](int64_t r, auto rows) {
+      constexpr int R = decltype(rows)::value;
+      switch (nb) {
+        case 3: tile_q8_avx512<R, 3>(w, s0, xq, r, y + r * y_stride, y_stride); break;
+        case 2: tile_q8_avx512<R, 2>(w, s0, xq, r, y + r * y_stride, y_stride); break;
+        default: tile_q8_avx512<R, 1>(w, s0, xq, r, y + r * y_stride, y_stride); break;
+      }
+    });
+  });
+}
+
+static void linear_q8_avx2(const PackedLinear& w, const float* x, int64_t m, int64_t x_stride, float* y,
+                           int64_t y_stride) {
+  const std::vector<float> xp = padded_rows(x, m, w.k, x_stride, w.k_pad);
+  for_strip_groups<1>(w, [&](int64_t s, int64_t) {
+    run_rows<3>(m, [&](int64_t r, auto rows) {  // 3 rows: 12 partials and accumulators of 16 ymm
+      tile_q8_avx2<decltype(rows)::value>(w, s, xp.data() + r * w.k_pad, w.k_pad, y + r * y_stride, y_stride);
+    });
+  });
+}
+
+void linear_q8_0(const PackedLinear& w, const float* x, int64_t m, int64_t x_stride, float* y, int64_t y_stride) {
+  if (m <= 0) return;
+  if (vnni_path(w.isa)) return linear_q8_avx512(w, x, m, x_stride, y, y_stride);
+  switch (w.isa) {
+    case Isa::amx:  // without AVX512-VNNI (no such CPU seen): the avx2 path, which every one of them runs
+    case Isa::avx512bf16:
+    case Isa::avx2: return linear_q8_avx2(w, x, m, x_stride, y, y_stride);
+    case Isa::scalar: {
+      const std::vector<float> xp = padded_rows(x, m, w.k, x_stride, w.k_pad);
+      for_strip_groups<1>(w, [&](int64_t s, int64_t) { tile_q8_scalar(w, s, xp.data(), w.k_pad, m, y, y_stride); });
+      return;
+    }
+  }
+}
+
+}  // namespace specstand

@@ -1,0 +1,77 @@
+// Shared by the linear kernel families (linear.cpp: bf16 weights, linear_q8_0.cpp: int8 blocks): how rows
+// and columns are tiled and how activations are prepared. None of it changes a row's arithmetic.
+#pragma once
+
+#include <ATen/Parallel.h>
+#include <immintrin.h>
+
+#include <algorithm>
+#include <type_traits>
+#include <vector>
+
+#include "linear.h"
+
+namespace specstand {
+
+// Tile shapes: rows go in tiles of Max (avx512: 6 rows x 4 strips = 24 accumulators of 32 registers; avx2:
+// 3 rows x 2 strips x 2 halves = 12 of 16), the remainder in one smaller tile. Few rows thus take several
+// strips at once, enough independent accumulators to hide the instruction latency.
+template <int R, typename Tile>
+inline void tail_rows(int64_t r, int64_t left, Tile& tile) {
+  if constexpr (R > 0) {
+    if (left == R) {
+      tile(r, std::integral_constant<int, R>{});
+    } else {
+      tail_rows<R - 1>(r, left, tile);
+    }
+  }
+}
+
+template <int Max, typename Tile>
+inline void run_rows(int64_t rows, Tile tile) {
+  int64_t r = 0;
+  for (; r + Max <= rows; r += Max) tile(r, std::integral_constant<int, Max>{});
+  tail_rows<Max - 1>(r, rows - r, tile);
+}
+
+// Activations rounded to bf16 (RNE) into rows of k_pad, zero-padded: elementwise, so row-independent.
+// vcvtneps2bf16 where the CPU has it (it flushes denormals, which the bf16 dot products ignore anyway).
+__attribute__((target("avx512f,avx512bw,avx512bf16"))) inline void round_row_avx512bf16(const float* x, uint16_t* y,
+                                                                                       int64_t k) {
+  int64_t i = 0;
+  for (; i + 16 <= k; i += 16)
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(y + i), (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(x + i)));
+  for (; i < k; ++i) y[i] = float_to_bf16(x[i]);
+}
+
+inline void round_rows_to_bf16(const float* x, int64_t m, int64_t k, int64_t x_stride, uint16_t* xb, int64_t k_pad) {
+  static const bool vector = cpu_has(Isa::avx512bf16);
+  at::parallel_for(0, m, 8, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      if (vector) {
+        round_row_avx512bf16(x + r * x_stride, xb + r * k_pad, k);
+      } else {
+        for (int64_t kk = 0; kk < k; ++kk) xb[r * k_pad + kk] = float_to_bf16(x[r * x_stride + kk]);
+      }
+    }
+  });
+}
+
+// Threads split the output columns only, in groups of up to NB strips of 16: tile(s0, nb) for each group.
+// No thread ever shares a reduction over k, which is what keeps rows independent of the row count.
+template <int NB, typename Tile>
+inline void for_strip_groups(const PackedLinear& w, const Tile& tile) {
+  const int64_t strips = w.n_pad / 16;
+  at::parallel_for(0, (strips + NB - 1) / NB, 1, [&](int64_t g0, int64_t g1) {
+    for (int64_t g = g0; g < g1; ++g) tile(g * NB, std::min<int64_t>(NB, strips - g * NB));
+  });
+}
+
+// fp32 rows of k_pad, zero-padded: an odd last k meets a zero weight.
+inline std::vector<float> padded_rows(const float* x, int64_t m, int64_t k, int64_t x_stride, int64_t k_pad) {
+  std::vector<float> xp(m * k_pad, 0.0f);
+  for (int64_t r = 0; r < m; ++r) std::memcpy(xp.data() + r * k_pad, x + r * x_stride, k * sizeof(float));
+  return xp;
+}
+
+}  // namespace specstand

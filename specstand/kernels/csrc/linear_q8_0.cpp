@@ -79,10 +79,12 @@ struct FixedPointRows {
   std::vector<int32_t> offset;   // 128 x sum of the block's fixed-point values
 };
 
-static FixedPointRows fixed_point_rows(const float* x, int64_t m, int64_t k, int64_t x_stride, int64_t k_pad) {
+// Rows past m (up to padded_rows) are zeros: AMX loads whole 16-row blocks.
+static FixedPointRows fixed_point_rows(const float* x, int64_t m, int64_t k, int64_t x_stride, int64_t k_pad,
+                                       int64_t padded_rows) {
   const int64_t blocks = k_pad / 32;
-  FixedPointRows rows{std::vector<int8_t>(m * k_pad, 0), std::vector<int8_t>(m * k_pad, 0),
-                      std::vector<float>(m * blocks, 0.0f), std::vector<int32_t>(m * blocks, 0)};
+  FixedPointRows rows{std::vector<int8_t>(padded_rows * k_pad, 0), std::vector<int8_t>(padded_rows * k_pad, 0),
+                      std::vector<float>(padded_rows * blocks, 0.0f), std::vector<int32_t>(padded_rows * blocks, 0)};
   at::parallel_for(0, m, 8, [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r)
       for (int64_t block = 0; block < blocks; ++block) {
@@ -165,6 +167,113 @@ __attribute__((target("avx512f,avx512bw,avx512vnni"))) static void tile_q8_avx51
     }
 }
 
+// ---- amx (AMX-INT8): 16 rows x 2 strips a tile step, for calls of many rows ---------------------------------
+// tdpbsud sums the same signed halves times unsigned weights as vpdpbusd, exactly in int32, so a block's
+// integer sums are the same numbers whichever instruction computed them; the block epilogue below is the
+// avx512 tile's, op for op. Rows computed here are therefore bit-identical to rows computed there.
+struct alignas(64) Int8TileConfig {
+  uint8_t palette = 1, start_row = 0, reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+__attribute__((target("amx-tile,amx-int8,avx512f"))) static void configure_int8_tiles() {
+  TORCH_CHECK(amx_permitted(), "Linux did not grant this process the AMX tile registers");
+  Int8TileConfig config;
+  for (int t = 0; t < 4; ++t) {  // C tiles 0-3: 16 x 16 int32 (high and low halves of 2 strips)
+    config.rows[t] = 16;
+    config.colsb[t] = 64;
+  }
+  for (int t = 4; t < 6; ++t) {  // A tiles 4-5: 16 rows x 32 int8 (one block of the high, the low halves)
+    config.rows[t] = 16;
+    config.colsb[t] = 32;
+  }
+  config.rows[6] = 8;  // B tile 6: 8 k quads x 16 columns x 4 (one block of a strip)
+  config.colsb[6] = 64;
+  __asm__ volatile("" : : "r"(&config) : "memory");  // as in linear.cpp: ldtilecfg reads the stores above
+  _tile_loadconfig(&config);
+}
+
+// Integer block sums of one 16-row block and NB (<= 2) strips into sums [NB][2 halves][16 rows][16 columns].
+template <int NB>
+__attribute__((target("amx-tile,amx-int8,avx512f"))) static void block_sums_amx(const PackedLinear& w, int64_t s0,
+                                                                                const int8_t* high, const int8_t* low,
+                                                                                int64_t xs, int64_t block, int32_t* sums) {
+  _tile_zero(0);
+  _tile_zero(1);
+  if (NB > 1) {
+    _tile_zero(2);
+    _tile_zero(3);
+  }
+  _tile_loadd(4, high + block * 32, xs);
+  _tile_loadd(5, low + block * 32, xs);
+  _tile_loadd(6, w.q_strip(s0) + block * 8 * 64, 64);
+  _tile_dpbsud(0, 4, 6);
+  _tile_dpbsud(1, 5, 6);
+  if (NB > 1) {
+    _tile_loadd(6, w.q_strip(s0 + 1) + block * 8 * 64, 64);
+    _tile_dpbsud(2, 4, 6);
+    _tile_dpbsud(3, 5, 6);
+  }
+  _tile_stored(0, sums, 64);
+  _tile_stored(1, sums + 256, 64);
+  if (NB > 1) {
+    _tile_stored(2, sums + 512, 64);
+    _tile_stored(3, sums + 768, 64);
+  }
+}
+
+// One strip group (nb strips from s0) for every 16-row block of the call.
+template <int NB>
+__attribute__((target("amx-tile,amx-int8,avx512f,avx512bw,avx512vnni"))) static void strip_group_q8_amx(
+    const PackedLinear& w, const FixedPointRows& xq, int64_t m, int64_t s0, int64_t nb, float* y, int64_t y_stride) {
+  const int64_t blocks = w.k_pad / 32;
+  alignas(64) int32_t sums[NB * 2 * 256];
+  alignas(64) float acc[16 * NB * 16];
+  for (int64_t r0 = 0; r0 < m; r0 += 16) {
+    const int64_t rows = std::min<int64_t>(16, m - r0);
+    std::fill(acc, acc + 16 * NB * 16, 0.0f);
+    for (int64_t block = 0; block < blocks; ++block) {
+      const int8_t* high = xq.high.data() + r0 * w.k_pad;
+      const int8_t* low = xq.low.data() + r0 * w.k_pad;
+      if (nb == 2) {
+        block_sums_amx<2>(w, s0, high, low, w.k_pad, block, sums);
+      } else {
+        block_sums_amx<1>(w, s0, high, low, w.k_pad, block, sums);
+      }
+      for (int64_t b = 0; b < nb; ++b) {
+        const uint16_t* scales = w.scale_strip(s0 + b) + block * 16;
+        const __m512 d = _mm512_cvtph_ps(_mm256_load_si256(reinterpret_cast<const __m256i*>(scales)));
+        for (int64_t r = 0; r < rows; ++r) {
+          const int64_t at = (r0 + r) * blocks + block;
+          const __m512i hi = _mm512_load_si512(sums + b * 512 + r * 16);
+          const __m512i lo = _mm512_load_si512(sums + b * 512 + 256 + r * 16);
+          const __m512i exact =
+              _mm512_sub_epi32(_mm512_add_epi32(_mm512_slli_epi32(hi, 8), lo), _mm512_set1_epi32(xq.offset[at]));
+          const __m512 scale = _mm512_mul_ps(d, _mm512_set1_ps(xq.step[at]));
+          float* a = acc + r * NB * 16 + b * 16;
+          _mm512_store_ps(a, _mm512_fmadd_ps(_mm512_cvtepi32_ps(exact), scale, _mm512_load_ps(a)));
+        }
+      }
+    }
+    for (int64_t b = 0; b < nb; ++b) {
+      const int64_t col = (s0 + b) * 16, valid = std::min<int64_t>(16, w.n - col);
+      for (int64_t r = 0; r < rows; ++r)
+        std::memcpy(y + (r0 + r) * y_stride + col, acc + r * NB * 16 + b * 16, valid * sizeof(float));
+    }
+  }
+}
+
+static void linear_q8_amx(const PackedLinear& w, const FixedPointRows& xq, int64_t m, float* y, int64_t y_stride) {
+  constexpr int NB = 2;
+  const int64_t strips = w.n_pad / 16;
+  at::parallel_for(0, (strips + NB - 1) / NB, 1, [&](int64_t g0, int64_t g1) {
+    configure_int8_tiles();  // tile state is per thread
+    for (int64_t g = g0; g < g1; ++g)
+      strip_group_q8_amx<NB>(w, xq, m, g * NB, std::min<int64_t>(NB, strips - g * NB), y, y_stride);
+  });
+}
+
 // ---- avx2: R rows x one strip; the strip's 16 columns are two ymm partials and two accumulators -------------
 template <int R>
 __attribute__((target("avx2,fma,f16c"))) static void tile_q8_avx2(const PackedLinear& w, int64_t s, const float* x,
@@ -219,10 +328,20 @@ static void tile_q8_scalar(const PackedLinear& w, int64_t s, const float* x, int
     }
 }
 
+// Few rows on vpdpbusd; from AMX_ROWS rows on AMX-INT8 where the CPU has it (the same bits either way).
+static constexpr int64_t AMX_ROWS = 16;
+
+static bool amx_int8() {
+  static const bool has = __builtin_cpu_supports("amx-int8") && cpu_has(Isa::amx);
+  return has;
+}
+
 static void linear_q8_avx512(const PackedLinear& w, const float* x, int64_t m, int64_t x_stride, float* y,
                              int64_t y_stride) {
   constexpr int NB = 3;  // 3 rows x 3 strips: 27 partials and accumulators + 3 weights of 32 zmm
-  const FixedPointRows xq = fixed_point_rows(x, m, w.k, x_stride, w.k_pad);
+  const bool on_amx = w.isa == Isa::amx && m >= AMX_ROWS && amx_int8();
+  const FixedPointRows xq = fixed_point_rows(x, m, w.k, x_stride, w.k_pad, on_amx ? (m + 15) / 16 * 16 : m);
+  if (on_amx) return linear_q8_amx(w, xq, m, y, y_stride);
   for_strip_groups<NB>(w, [&](int64_t s0, int64_t nb) {
     run_rows<3>(m, [&](int64_t r, auto rows) {
       constexpr int R = decltype(rows)::value;

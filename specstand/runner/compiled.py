@@ -100,8 +100,9 @@ def attach_compiled(model: DecoderModel, path: str | None = None, log=None,
         if model.compiled.fast_for_prompts:
             model.prefill_weights = model.weights  # an fp32 copy for torch's prompt GEMMs is no longer read
         if blocks is not None:
-            model.weights, model.prefill_weights = (_dequantized(model.weights, blocks),
-                                                    _dequantized(model.prefill_weights, blocks))
+            shared = model.prefill_weights is model.weights
+            model.weights = _dequantized(model.weights, blocks)
+            model.prefill_weights = model.weights if shared else _dequantized(model.prefill_weights, blocks)
     except kernels.KernelsUnavailable as reason:
         model.compiled = None
         if weight_format == "q8_0":

@@ -79,6 +79,43 @@ struct FixedPointRows {
   std::vector<int32_t> offset;   // 128 x sum of the block's fixed-point values
 };
 
+// One row's blocks onto their grids, 32 values at a time (two zmm): largest |x|, the step 2^e, the values
+// as integers (x * 2^-e is exact, then rounded to nearest even), their halves and their sum.
+__attribute__((target("avx512f,avx512bw"))) static void fixed_point_row(const float* x, int64_t k, int64_t blocks,
+                                                                        int8_t* high, int8_t* low, float* steps,
+                                                                        int32_t* offsets) {
+  const __m512i byte = _mm512_set1_epi32(255), half = _mm512_set1_epi32(128);
+  for (int64_t block = 0; block < blocks; ++block) {
+    const int64_t k0 = block * 32;
+    const __mmask16 m0 = k0 + 16 <= k ? __mmask16(0xffff) : __mmask16((1u << std::max<int64_t>(0, k - k0)) - 1);
+    const __mmask16 m1 = k0 + 32 <= k ? __mmask16(0xffff) : __mmask16((1u << std::max<int64_t>(0, k - k0 - 16)) - 1);
+    const __m512 v0 = _mm512_maskz_loadu_ps(m0, x + k0), v1 = _mm512_maskz_loadu_ps(m1, x + k0 + 16);
+    // NaN or infinity anywhere: x * 0 is NaN there
+    const float probe = _mm512_reduce_add_ps(_mm512_add_ps(_mm512_mul_ps(v0, _mm512_setzero_ps()),
+                                                           _mm512_mul_ps(v1, _mm512_setzero_ps())));
+    if (probe != 0.0f) {  // the block's sums come out NaN, as a float dot product's would
+      steps[block] = NAN;
+      continue;
+    }
+    const float largest = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(v0), _mm512_abs_ps(v1)));
+    if (largest == 0.0f) continue;  // step 0: the block adds nothing
+    int e;
+    std::frexp(largest / 32639.0f, &e);  // 2^e >= largest / 32639 > 2^(e - 1): at most 32639 steps
+    const __m512 inverse = _mm512_set1_ps(std::ldexp(1.0f, -e));
+    const __m512i i0 = _mm512_cvtps_epi32(_mm512_mul_ps(v0, inverse));  // round to nearest even
+    const __m512i i1 = _mm512_cvtps_epi32(_mm512_mul_ps(v1, inverse));
+    const __m512i l0 = _mm512_sub_epi32(_mm512_and_si512(_mm512_add_epi32(i0, half), byte), half);
+    const __m512i l1 = _mm512_sub_epi32(_mm512_and_si512(_mm512_add_epi32(i1, half), byte), half);
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(low + k0), _mm512_cvtepi32_epi8(l0));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(low + k0 + 16), _mm512_cvtepi32_epi8(l1));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(high + k0), _mm512_cvtepi32_epi8(_mm512_srai_epi32(_mm512_sub_epi32(i0, l0), 8)));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(high + k0 + 16),
+                     _mm512_cvtepi32_epi8(_mm512_srai_epi32(_mm512_sub_epi32(i1, l1), 8)));
+    steps[block] = std::ldexp(1.0f, e);
+    offsets[block] = 128 * _mm512_reduce_add_epi32(_mm512_add_epi32(i0, i1));
+  }
+}
+
 // Rows past m (up to padded_rows) are zeros: AMX loads whole 16-row blocks.
 static FixedPointRows fixed_point_rows(const float* x, int64_t m, int64_t k, int64_t x_stride, int64_t k_pad,
                                        int64_t padded_rows) {
@@ -87,34 +124,8 @@ static FixedPointRows fixed_point_rows(const float* x, int64_t m, int64_t k, int
                       std::vector<float>(padded_rows * blocks, 0.0f), std::vector<int32_t>(padded_rows * blocks, 0)};
   at::parallel_for(0, m, 8, [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r)
-      for (int64_t block = 0; block < blocks; ++block) {
-        const int64_t k0 = block * 32, k1 = std::min<int64_t>(k, k0 + 32);
-        float largest = 0.0f;
-        bool finite = true;
-        for (int64_t kk = k0; kk < k1; ++kk) {
-          const float v = x[r * x_stride + kk];
-          finite = finite && std::isfinite(v);
-          largest = std::max(largest, std::fabs(v));
-        }
-        if (!finite) {  // a NaN or an infinity: the block's sums come out NaN, as a float dot product's would
-          rows.step[r * blocks + block] = NAN;
-          continue;
-        }
-        if (largest == 0.0f) continue;  // step 0: the block adds nothing
-        int e;
-        std::frexp(largest / 32639.0f, &e);  // 2^e >= largest / 32639 > 2^(e - 1)
-        const float step = std::ldexp(1.0f, e), inverse = std::ldexp(1.0f, -e);
-        int32_t sum = 0;
-        for (int64_t kk = k0; kk < k1; ++kk) {
-          const int32_t v = int32_t(std::nearbyint(x[r * x_stride + kk] * inverse));  // |v| <= 32639
-          const int32_t low = ((v + 128) & 255) - 128;
-          rows.low[r * k_pad + kk] = int8_t(low);
-          rows.high[r * k_pad + kk] = int8_t((v - low) / 256);
-          sum += v;
-        }
-        rows.step[r * blocks + block] = step;
-        rows.offset[r * blocks + block] = 128 * sum;
-      }
+      fixed_point_row(x + r * x_stride, k, blocks, rows.high.data() + r * k_pad, rows.low.data() + r * k_pad,
+                      rows.step.data() + r * blocks, rows.offset.data() + r * blocks);
   });
   return rows;
 }

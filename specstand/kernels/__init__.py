@@ -126,6 +126,12 @@ def peak_macs_per_second(path: str, iterations: int = 20_000_000) -> float:
     return load().peak_macs_per_second(PATHS[path], iterations)
 
 
+def peak_macs_per_second_q8_0(path: str, tiles: bool = False, iterations: int = 20_000_000) -> float:
+    """The same for the q8_0 kernel of `path` (`tiles`: its AMX-INT8 loop, taken from 16 rows on amx),
+    one weight-activation product counted as the kernel computes it (two int8 products on AVX-512)."""
+    return load().peak_macs_per_second_q8_0(PATHS[path], tiles, iterations)
+
+
 def read_bandwidth_gbs(gib: float = 1.0, repeats: int = 5) -> float:
     """Memory read bandwidth: median GB/s of summing `gib` GiB of fp32 on all of torch's threads. It drifts
     where neighbours share the host: measure it beside every figure that is compared with it."""
@@ -149,7 +155,13 @@ def describe() -> list[str]:
         lines.append(f"kernel path: python ({reason})")
     else:
         lines.append(f"kernel paths this CPU runs: {', '.join(paths)}; chosen: {chosen}")
-        peak = peak_macs_per_second(chosen) * torch.get_num_threads()
-        lines.append(f"peak multiply-accumulate rate ({chosen}, register-only loop): {peak / 1e9:.0f} GMAC/s")
+        threads = torch.get_num_threads()
+        peak = peak_macs_per_second(chosen) * threads
+        q8 = peak_macs_per_second_q8_0(chosen) * threads
+        tiles = ""
+        if chosen == "amx":
+            tiles = f" ({peak_macs_per_second_q8_0(chosen, True) * threads / 1e9:.0f} from 16 rows)"
+        lines.append(f"peak multiply-accumulate rate ({chosen}, register-only loop): {peak / 1e9:.0f} GMAC/s bf16, "
+                     f"{q8 / 1e9:.0f} GMAC/s q8_0{tiles}")
     lines.append(f"read bandwidth (1 GiB fp32 sum): {read_bandwidth_gbs():.1f} GB/s")
     return lines

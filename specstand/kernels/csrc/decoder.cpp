@@ -293,6 +293,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("peak_macs_per_second", [](int64_t isa, int64_t iterations) {
     return specstand::peak_macs_per_second(static_cast<Isa>(isa), iterations);
   });
+  m.def("peak_macs_per_second_q8_0", [](int64_t isa, bool tiles, int64_t iterations) {
+    return specstand::peak_macs_per_second_q8_0(static_cast<Isa>(isa), tiles, iterations);
+  });
   py::class_<Linear>(m, "Linear")
       .def(py::init<const at::Tensor&, int64_t>())
       .def(py::init<const at::Tensor&, const at::Tensor&, int64_t>())

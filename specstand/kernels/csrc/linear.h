@@ -44,5 +44,8 @@ void linear_q8_0(const PackedLinear& w, const float* x, int64_t m, int64_t x_str
 // A register-only loop of the path's multiply-accumulate instruction: multiply-accumulates per second
 // on one core (the compute roofline).
 double peak_macs_per_second(Isa isa, int64_t iterations);
+// The same for the q8_0 kernel of `isa` (`tiles`: the AMX-INT8 loop it takes from 16 rows), counting one
+// weight-activation product as the kernel computes it (two int8 products on the AVX-512 paths).
+double peak_macs_per_second_q8_0(Isa isa, bool tiles, int64_t iterations);
 
 }  // namespace specstand

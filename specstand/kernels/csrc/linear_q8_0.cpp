@@ -16,6 +16,7 @@
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 
+#include <chrono>
 #include <cmath>
 
 #include "linear.h"
@@ -388,6 +389,54 @@ void linear_q8_0(const PackedLinear& w, const float* x, int64_t m, int64_t x_str
       return;
     }
   }
+}
+
+// ---- peak multiply-accumulate rate of the q8_0 paths, counted as this kernel uses them: two int8 products
+// (the high and the low half) make one multiply-accumulate of a weight and an activation ----------------------
+__attribute__((target("avx512f,avx512bw,avx512vnni"))) static double peak_q8_vnni(int64_t iterations) {
+  __m512i acc[12];
+  for (auto& a : acc) a = _mm512_setzero_si512();
+  __m512i a = _mm512_set1_epi32(0x01010101), b = _mm512_set1_epi32(0x01010101);
+  const auto start = std::chrono::steady_clock::now();
+  for (int64_t i = 0; i < iterations; ++i) {
+    for (auto& c : acc) c = _mm512_dpbusd_epi32(c, a, b);
+    __asm__ volatile("" : "+v"(a));
+  }
+  const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  for (int i = 1; i < 12; ++i) acc[0] = _mm512_add_epi32(acc[0], acc[i]);  // every chain is live
+  volatile int sink = _mm512_reduce_add_epi32(acc[0]);
+  (void)sink;
+  return double(iterations) * 12 * 32 / seconds;  // 64 int8 products per vpdpbusd
+}
+
+__attribute__((target("amx-tile,amx-int8,avx512f"))) static double peak_q8_amx(int64_t iterations) {
+  configure_int8_tiles();
+  _tile_zero(0);
+  _tile_zero(1);
+  _tile_zero(2);
+  _tile_zero(3);
+  _tile_zero(4);
+  _tile_zero(5);
+  _tile_zero(6);
+  iterations = std::max<int64_t>(1, iterations / 16);
+  const auto start = std::chrono::steady_clock::now();
+  for (int64_t i = 0; i < iterations; ++i) {  // four independent accumulators, one block (32 k) each, as used
+    _tile_dpbsud(0, 4, 6);
+    _tile_dpbsud(1, 5, 6);
+    _tile_dpbsud(2, 4, 6);
+    _tile_dpbsud(3, 5, 6);
+  }
+  alignas(64) int32_t out[256];
+  _tile_stored(0, out, 64);
+  const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  volatile int sink = out[0];
+  (void)sink;
+  return double(iterations) * 4 * 16 * 16 * 32 / 2 / seconds;  // 16 rows x 16 columns x 32 k int8 products
+}
+
+double peak_macs_per_second_q8_0(Isa isa, bool tiles, int64_t iterations) {
+  if (vnni_path(isa)) return tiles && isa == Isa::amx && amx_int8() ? peak_q8_amx(iterations) : peak_q8_vnni(iterations);
+  return peak_macs_per_second(isa == Isa::scalar ? Isa::scalar : Isa::avx2, iterations);  // fp32 FMA paths
 }
 
 }  // namespace specstand

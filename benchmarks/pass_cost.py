@@ -45,6 +45,17 @@ def weight_bytes_and_macs(runner: TargetRunner, dtype: str) -> tuple[int, int]:
     return int(macs * BYTES_PER_WEIGHT[dtype]), macs
 
 
+def peak_rates(path: str, dtype: str, threads: int) -> dict[bool, float]:
+    """Peak multiply-accumulates per second of the kernel instruction a pass uses, by whether it has 16 rows
+    or more (the q8_0 kernel takes AMX-INT8 from 16 rows on amx CPUs, vpdpbusd below)."""
+    if path == "python":
+        return {False: float("nan"), True: float("nan")}
+    if dtype == "q8_0":
+        return {tiles: kernels.peak_macs_per_second_q8_0(path, tiles) * threads for tiles in (False, True)}
+    rate = kernels.peak_macs_per_second(path) * threads
+    return {False: rate, True: rate}
+
+
 def time_pass(runner: TargetRunner, slots: list[int], rows: int, repeats: int, context: int) -> float:
     """Median seconds of one pass of `rows` rows spread over the slots (up to 8 rows a request), each
     request's cache `context` long."""
@@ -154,7 +165,7 @@ def main() -> None:
     path = compiled.path if compiled is not None else getattr(loaded.decoder, "kernel_path", "python")
     say(f"# pass cost: {args.model} {args.dtype}, {args.threads} threads")
     say(f"cpu: {kernels.cpu_model()}; flags: {' '.join(kernels.cpu_flags())}; kernel path: {path}")
-    peak = kernels.peak_macs_per_second(path) * args.threads if path != "python" else float("nan")
+    peaks = peak_rates(path, args.dtype, args.threads)
     # a hybrid target (Gemma 3, LFM2, Qwen3.5) has no compiled forward: its Python forward with the
     # compiled linears is "compiled" here, the same forward on torch's linears is "torch"
     linears = loaded.decoder.linears() if compiled is None and path != "python" else []
@@ -166,7 +177,9 @@ def main() -> None:
     bandwidth = kernels.read_bandwidth_gbs()
     floor_ms = weight_bytes / bandwidth / 1e6
     say(f"weights read per pass {weight_bytes / 1e6:.0f} MB; bandwidth {bandwidth:.1f} GB/s -> floor "
-        f"{floor_ms:.1f} ms; peak {peak / 1e9:.0f} GMAC/s ({path}, {args.threads} cores)")
+        f"{floor_ms:.1f} ms; peak {' / '.join(f'{rate / 1e9:.0f}' for rate in dict.fromkeys(peaks.values()))} "
+        f"GMAC/s ({path} {args.dtype}{', rows < 16 / from 16' if len(set(peaks.values())) > 1 else ''}, "
+        f"{args.threads} cores)")
     say(f"every row attends over {args.context} cached positions of its request (up to 8 rows a request)")
     say()
     if linears:
@@ -192,7 +205,7 @@ def main() -> None:
         runner.compiled = compiled
         for lin, pack in zip(linears, packed, strict=True):
             lin.packed = pack
-        roofline = max(floor_ms, rows * macs / peak * 1e3)
+        roofline = max(floor_ms, rows * macs / peaks[rows >= 16] * 1e3)
         one_row = one_row or ours
         say(f"{rows:4d} | {ours * 1e3:11.1f} | {ours / one_row:9.2f} | {roofline:11.1f} | "
             f"{ours * 1e3 / roofline:10.2f} | {theirs * 1e3:8.1f} | {theirs / ours:14.2f}")

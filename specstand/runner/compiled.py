@@ -84,18 +84,22 @@ class CompiledDecoder:
         return self._decoder.take_profile()
 
 
-def attach_compiled(model: DecoderModel, path: str | None = None, log=None,
-                    weight_format: str = "bf16") -> CompiledDecoder | None:
+def attach_compiled(model: DecoderModel, path: str | None = None, log=None, weight_format: str = "bf16",
+                    published: dict[str, Q8Blocks] | None = None) -> CompiledDecoder | None:
     """Give `model` its compiled forward (kernel `path`, default the best this CPU has) and return it, or
     leave it on the Python forward and return None (the reason logged) where that cannot run: not bf16,
     no compiler, SPECSTAND_KERNEL_PATH=python, or a shape the kernels do not take. `weight_format` q8_0
-    quantizes the linears to Q8_0 blocks, and the Python forward's weights to the same values, so prompts
-    computed by torch (avx2, scalar) see the model the compiled rows see; q8_0 needs the kernels."""
+    quantizes the linears to Q8_0 blocks (or takes `published` ones, {transformers name: blocks}: a GGUF's
+    own, models/gguf_blocks.py), and the Python forward's weights to the same values, so prompts computed by
+    torch (avx2, scalar) see the model the compiled rows see; q8_0 needs the kernels."""
     try:
         if weight_format not in WEIGHT_FORMATS:
             raise ValueError(f"unknown weight format {weight_format!r} (choose from {', '.join(WEIGHT_FORMATS)})")
         path = path or kernels.best_path()
-        blocks = [q8_0.quantize(t) for t in model.linear_weights()] if weight_format == "q8_0" else None
+        blocks = None
+        if weight_format == "q8_0":
+            blocks = (_fused(model, published) if published is not None
+                      else [q8_0.quantize(t) for t in model.linear_weights()])
         model.compiled = CompiledDecoder(model, path, blocks)
         if model.compiled.fast_for_prompts:
             model.prefill_weights = model.weights  # an fp32 copy for torch's prompt GEMMs is no longer read
@@ -110,6 +114,38 @@ def attach_compiled(model: DecoderModel, path: str | None = None, log=None,
         if log is not None and model.dtype == torch.bfloat16 and os.environ.get(kernels.PATH_ENV) != "python":
             log(str(reason))
     return model.compiled
+
+
+def _fused(model: DecoderModel, published: dict[str, Q8Blocks]) -> list[Q8Blocks]:
+    """Per-matrix blocks under transformers names, stacked and reordered as the model stacks its weights
+    (q/k/v rows interleaved and stacked, gate and up stacked): model.linear_weights() order. A row
+    permutation applies to q and d alike."""
+    s = model.shape
+
+    def take(name: str) -> Q8Blocks:
+        if name not in published:
+            raise ValueError(f"the published Q8_0 blocks lack {name}")
+        return published[name]
+
+    def stacked(parts: list[Q8Blocks]) -> Q8Blocks:
+        return torch.cat([q for q, _ in parts]), torch.cat([d for _, d in parts])
+
+    blocks = []
+    for i in range(s.num_layers):
+        layer = f"model.layers.{i}."
+        q, k, v = (take(f"{layer}self_attn.{x}_proj.weight") for x in "qkv")
+        blocks += [
+            stacked([tuple(model.interleave_rows(t, s.num_heads) for t in q),
+                     tuple(model.interleave_rows(t, s.num_kv_heads) for t in k), v]),
+            take(f"{layer}self_attn.o_proj.weight"),
+            stacked([take(f"{layer}mlp.gate_proj.weight"), take(f"{layer}mlp.up_proj.weight")]),
+            take(f"{layer}mlp.down_proj.weight"),
+        ]
+    blocks.append(take("lm_head.weight"))
+    for (q, _), weight in zip(blocks, model.linear_weights(), strict=True):
+        if q.shape != weight.shape:
+            raise ValueError(f"published Q8_0 blocks of shape {tuple(q.shape)} for a weight of {tuple(weight.shape)}")
+    return blocks
 
 
 def _dequantized(weights: Weights, blocks: list[Q8Blocks]) -> Weights:

@@ -141,7 +141,7 @@ class DecoderModel:
         s = self.shape
         return KVCache(s.num_layers, num_slots, s.num_kv_heads, capacity, s.head_dim, self.dtype)
 
-    def _interleave(self, weight: torch.Tensor | None, heads: int) -> torch.Tensor | None:
+    def interleave_rows(self, weight: torch.Tensor | None, heads: int) -> torch.Tensor | None:
         """Reorder each head's dims from HF's half-split rope layout to interleaved pairs, so RoPE is one
         complex multiply. q and k get the same order, so their dot products are unchanged."""
         if weight is None:
@@ -159,18 +159,18 @@ class DecoderModel:
         return LayerWeights(
             input_norm=layer.input_layernorm.weight.detach(),
             qkv=torch.cat([
-                self._interleave(attn.q_proj.weight, s.num_heads),
-                self._interleave(attn.k_proj.weight, s.num_kv_heads),
+                self.interleave_rows(attn.q_proj.weight, s.num_heads),
+                self.interleave_rows(attn.k_proj.weight, s.num_kv_heads),
                 attn.v_proj.weight.detach(),
             ]),
             qkv_bias=None if attn.q_proj.bias is None else torch.cat([
-                self._interleave(attn.q_proj.bias, s.num_heads),
-                self._interleave(attn.k_proj.bias, s.num_kv_heads),
+                self.interleave_rows(attn.q_proj.bias, s.num_heads),
+                self.interleave_rows(attn.k_proj.bias, s.num_kv_heads),
                 attn.v_proj.bias.detach(),
             ]),
             o_proj=attn.o_proj.weight.detach(),
-            q_norm=None if q_norm is None else self._interleave(q_norm.weight, 1),
-            k_norm=None if k_norm is None else self._interleave(k_norm.weight, 1),
+            q_norm=None if q_norm is None else self.interleave_rows(q_norm.weight, 1),
+            k_norm=None if k_norm is None else self.interleave_rows(k_norm.weight, 1),
             post_attention_norm=layer.post_attention_layernorm.weight.detach(),
             gate_up=torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]).detach(),
             down=mlp.down_proj.weight.detach(),

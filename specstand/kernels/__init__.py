@@ -103,7 +103,7 @@ def all_cpu_flags() -> set[str] | None:
 def cpu_flags() -> list[str]:
     """The CPU features that choose a kernel path."""
     flags = all_cpu_flags() or set()
-    wanted = ("avx2", "fma", "avx512f", "avx512bw", "avx512_bf16", "amx_bf16", "amx_tile", "avx512_vnni")
+    wanted = ("avx2", "fma", "avx512f", "avx512bw", "avx512_bf16", "avx512_vnni", "amx_bf16", "amx_int8", "amx_tile")
     return [flag for flag in wanted if flag in flags]
 
 

@@ -16,7 +16,6 @@
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 
-#include <chrono>
 #include <vector>
 
 namespace specstand {
@@ -167,15 +166,9 @@ static void linear_scalar(const PackedLinear& w, const float* x, int64_t m, int6
 }
 
 // ---- amx: 16 rows x 16 columns per accumulator tile, 32 k per tdpbf16ps -----------------------------------
-struct alignas(64) TileConfig {
-  uint8_t palette = 1, start_row = 0, reserved[14] = {};
-  uint16_t colsb[16] = {};
-  uint8_t rows[16] = {};
-};
-
 __attribute__((target("amx-tile,amx-bf16,avx512f"))) static void configure_tiles() {
   TORCH_CHECK(amx_permitted(), "Linux did not grant this process the AMX tile registers");
-  TileConfig config;
+  AmxTileConfig config;
   for (int t = 0; t < 8; ++t) {  // C tiles 0-3: 16 x 16 fp32; A tile 4: 16 rows x 32 bf16; B tiles 5-7: 16 k pairs
     config.rows[t] = 16;
     config.colsb[t] = 64;
@@ -262,11 +255,6 @@ void linear(const PackedLinear& w, const float* x, int64_t m, int64_t x_stride, 
 
 // ---- peak multiply-accumulate rate: independent chains of the path's instruction, operands in registers --
 
-struct Stopwatch {
-  std::chrono::steady_clock::time_point start = std::chrono::steady_clock::now();
-  double seconds() const { return std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count(); }
-};
-
 __attribute__((target("avx512f,avx512bw,avx512bf16"))) static double peak_avx512bf16(int64_t iterations) {
   __m512 acc[12];
   for (auto& a : acc) a = _mm512_setzero_ps();
@@ -316,13 +304,7 @@ static double peak_scalar(int64_t iterations) {
 
 __attribute__((target("amx-tile,amx-bf16,avx512f"))) static double peak_amx(int64_t iterations) {
   configure_tiles();
-  _tile_zero(0);
-  _tile_zero(1);
-  _tile_zero(2);
-  _tile_zero(3);
-  _tile_zero(4);
-  _tile_zero(5);
-  _tile_zero(6);
+  zero_tiles();
   iterations = std::max<int64_t>(1, iterations / 16);
   const Stopwatch clock;
   for (int64_t i = 0; i < iterations; ++i) {  // four independent accumulators, operands in tiles

@@ -18,7 +18,6 @@
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 
-#include <chrono>
 #include <cmath>
 
 #include "linear.h"
@@ -192,15 +191,9 @@ __attribute__((target("avx512f,avx512bw,avx512vnni"))) static void tile_q8_avx51
 // tdpbsud sums the same signed halves times unsigned weights as vpdpbusd, exactly in int32, so a block's
 // integer sums are the same numbers whichever instruction computed them; the block epilogue below is the
 // avx512 tile's, op for op. Rows computed here are therefore bit-identical to rows computed there.
-struct alignas(64) Int8TileConfig {
-  uint8_t palette = 1, start_row = 0, reserved[14] = {};
-  uint16_t colsb[16] = {};
-  uint8_t rows[16] = {};
-};
-
 __attribute__((target("amx-tile,amx-int8,avx512f"))) static void configure_int8_tiles() {
   TORCH_CHECK(amx_permitted(), "Linux did not grant this process the AMX tile registers");
-  Int8TileConfig config;
+  AmxTileConfig config;
   for (int t = 0; t < 4; ++t) {  // C tiles 0-3: 16 x 16 int32 (high and low halves of 2 strips)
     config.rows[t] = 16;
     config.colsb[t] = 64;
@@ -439,12 +432,12 @@ __attribute__((target("avx512f,avx512bw,avx512vnni"))) static double peak_q8_vnn
   __m512i acc[12];
   for (auto& a : acc) a = _mm512_setzero_si512();
   __m512i a = _mm512_set1_epi32(0x01010101), b = _mm512_set1_epi32(0x01010101);
-  const auto start = std::chrono::steady_clock::now();
+  const Stopwatch clock;
   for (int64_t i = 0; i < iterations; ++i) {
     for (auto& c : acc) c = _mm512_dpbusd_epi32(c, a, b);
     __asm__ volatile("" : "+v"(a));
   }
-  const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  const double seconds = clock.seconds();
   for (int i = 1; i < 12; ++i) acc[0] = _mm512_add_epi32(acc[0], acc[i]);  // every chain is live
   volatile int sink = _mm512_reduce_add_epi32(acc[0]);
   (void)sink;
@@ -453,15 +446,9 @@ __attribute__((target("avx512f,avx512bw,avx512vnni"))) static double peak_q8_vnn
 
 __attribute__((target("amx-tile,amx-int8,avx512f"))) static double peak_q8_amx(int64_t iterations) {
   configure_int8_tiles();
-  _tile_zero(0);
-  _tile_zero(1);
-  _tile_zero(2);
-  _tile_zero(3);
-  _tile_zero(4);
-  _tile_zero(5);
-  _tile_zero(6);
+  zero_tiles();
   iterations = std::max<int64_t>(1, iterations / 16);
-  const auto start = std::chrono::steady_clock::now();
+  const Stopwatch clock;
   for (int64_t i = 0; i < iterations; ++i) {  // four independent accumulators, one block (32 k) each, as used
     _tile_dpbsud(0, 4, 6);
     _tile_dpbsud(1, 5, 6);
@@ -470,7 +457,7 @@ __attribute__((target("amx-tile,amx-int8,avx512f"))) static double peak_q8_amx(i
   }
   alignas(64) int32_t out[256];
   _tile_stored(0, out, 64);
-  const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  const double seconds = clock.seconds();
   volatile int sink = out[0];
   (void)sink;
   return double(iterations) * 4 * 16 * 16 * 32 / 2 / seconds;  // 16 rows x 16 columns x 32 k int8 products

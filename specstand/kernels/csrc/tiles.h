@@ -6,12 +6,37 @@
 #include <immintrin.h>
 
 #include <algorithm>
+#include <chrono>
 #include <type_traits>
 #include <vector>
 
 #include "linear.h"
 
 namespace specstand {
+
+// Wall time of the peak-rate loops.
+struct Stopwatch {
+  std::chrono::steady_clock::time_point start = std::chrono::steady_clock::now();
+  double seconds() const { return std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count(); }
+};
+
+// Tiles 0-6 zeroed: the operands and accumulators of the peak-rate loops (configured by the caller).
+__attribute__((target("amx-tile"))) inline void zero_tiles() {
+  _tile_zero(0);
+  _tile_zero(1);
+  _tile_zero(2);
+  _tile_zero(3);
+  _tile_zero(4);
+  _tile_zero(5);
+  _tile_zero(6);
+}
+
+// The AMX tile configuration ldtilecfg reads (palette 1: up to 8 tiles of up to 16 rows x 64 bytes).
+struct alignas(64) AmxTileConfig {
+  uint8_t palette = 1, start_row = 0, reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
 
 // Tile shapes: rows go in tiles of Max (avx512: 6 rows x 4 strips = 24 accumulators of 32 registers; avx2:
 // 3 rows x 2 strips x 2 halves = 12 of 16), the remainder in one smaller tile. Few rows thus take several

@@ -5,9 +5,11 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from specstand.cli import main
 from specstand.workloads import save_workload
-from tests.conftest import tiny_turns
+from tests.conftest import KERNEL_PATHS, tiny_turns
 
 
 def _run(capsys, *argv: str) -> tuple[int, str, str]:
@@ -67,3 +69,21 @@ def test_training_commands_fail_in_one_line(capsys, tiny_model_dir, tmp_path):
         code, _, err = _run(capsys, *argv)
         assert code != 0, argv
         assert len(err.strip().splitlines()) == 1 and err.startswith("specstand: error: "), (argv, err)
+
+
+@pytest.mark.skipif(not KERNEL_PATHS, reason="q8_0 runs on the kernels, which do not build here")
+def test_q8_0_target_answers_trains_and_evaluates(capsys, tiny_model_dir, tmp_path):
+    """Data, training and evaluation on a Q8_0 target: its own answers, its own hidden states, and the
+    trained drafter's answers identical to plain decoding on it."""
+    workload = tmp_path / "w.jsonl"
+    save_workload(tiny_turns(8), workload)
+    model = ("--model", str(tiny_model_dir), "--dtype", "q8_0")
+    assert _run(capsys, "train-data", *model, "--workload", str(workload), "--out", str(tmp_path / "data"),
+                "--heldout", "0.3")[0] == 0
+    code, _, err = _run(capsys, "train", "--method", "eagle3", *model, "--data", str(tmp_path / "data"), "--out",
+                        str(tmp_path / "eagle3"), "--steps", "2", "--pack-tokens", "256", "--draft-vocab", "64")
+    assert code == 0, err
+    code, _, err = _run(capsys, "eval-drafter", *model, "--drafter", str(tmp_path / "eagle3"), "--data",
+                        str(tmp_path / "data"), "--k", "3", "--json", str(tmp_path / "eval.json"))
+    assert code == 0, err
+    assert all(f["identical"] for f in json.loads((tmp_path / "eval.json").read_text())["figures"])

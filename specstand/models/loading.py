@@ -17,10 +17,9 @@ from specstand.runner.transformer import SUPPORTED_ARCHITECTURES, DecoderModel
 
 TargetModel = DecoderModel | HybridModel | TransformersModel
 
-DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32, "q8_0": torch.bfloat16}
 # q8_0: the model loads in bf16 and its linears run as Q8_0 blocks (int8 + a scale per 32 weights) through
 # the compiled kernels, reading about half the bytes of bf16 per pass
-WEIGHT_FORMATS = {"q8_0": "q8_0"}
+DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32, "q8_0": torch.bfloat16}
 
 
 class ModelError(ValueError):
@@ -77,7 +76,7 @@ def load_model(model: str, dtype: str = "bf16", max_seq_len: int = 2048, log=pri
     except OSError as error:
         raise ModelError(f"cannot load model {model!r}: {str(error).splitlines()[0]}") from None
     max_positions = min(max_seq_len, getattr(hf_model.config, "max_position_embeddings", max_seq_len))
-    weight_format = WEIGHT_FORMATS.get(dtype, "bf16")
+    weight_format = "q8_0" if dtype == "q8_0" else "bf16"
     published = gguf_blocks.read(Path(path)) if weight_format == "q8_0" else None
     if published is not None:
         log(f"q8_0 weights: the GGUF's own blocks ({gguf_blocks.describe(Path(path))})")

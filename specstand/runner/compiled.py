@@ -41,10 +41,9 @@ class CompiledDecoder:
         self.fast_for_prompts = path in PROMPT_PATHS
         self.model = model
         module = kernels.load()
-        self._decoder = module.Decoder(s.hidden_size, s.num_heads, s.num_kv_heads, s.head_dim, intermediate,
-                                       s.rms_eps, kernels.PATHS[path])
-
         isa = kernels.PATHS[path]
+        self._decoder = module.Decoder(s.hidden_size, s.num_heads, s.num_kv_heads, s.head_dim, intermediate,
+                                       s.rms_eps, isa)
         # packed in linear_weights() order: per layer qkv, o_proj, gate_up, down; then the head
         packed = iter([module.Linear(weight, isa) for weight in model.linear_weights()] if blocks is None
                       else [module.Linear(q, d, isa) for q, d in blocks])

@@ -87,7 +87,6 @@ struct Linear {
     linear(packed, input.data_ptr<float>(), m, packed.k, y.data_ptr<float>(), packed.n);
     return y;
   }
-  std::string format() const { return packed.format == Format::q8_0 ? "q8_0" : "bf16"; }
 };
 
 struct DecoderLayer {
@@ -299,8 +298,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   py::class_<Linear>(m, "Linear")
       .def(py::init<const at::Tensor&, int64_t>())
       .def(py::init<const at::Tensor&, const at::Tensor&, int64_t>())
-      .def("forward", &Linear::forward)
-      .def_property_readonly("format", &Linear::format);
+      .def("forward", &Linear::forward);
   py::class_<specstand::Decoder>(m, "Decoder")
       .def(py::init<int64_t, int64_t, int64_t, int64_t, int64_t, double, int64_t>())
       .def("add_layer", &specstand::Decoder::add_layer)

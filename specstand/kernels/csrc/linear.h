@@ -15,8 +15,9 @@ enum class Format : int { bf16 = 0, q8_0 = 1 };
 
 // Weights packed once at load: strips of 16 output columns, each strip k-pair major,
 // [n_pad / 16][k_pad / 2][16 columns][2 k]. bf16: one 64-byte load holds two k of 16 columns, the operand
-// of vdpbf16ps as it is, and two fp32 vectors of 8 columns each after a shift or a mask on AVX2. q8_0: the
-// same order in int8 (32 bytes per k pair), and per strip the scales [k_pad / 32 blocks][16 columns] fp16.
+// of vdpbf16ps as it is, and two fp32 vectors of 8 columns each after a shift or a mask on AVX2. q8_0: int8
+// in the same k-pair order (avx2, scalar) or k-quad order [k_pad / 4][16 columns][4 k] of q + 128 (the
+// unsigned operand of vpdpbusd and tdpbsud), and per strip the scales [k_pad / 32 blocks][16 columns] fp16.
 struct PackedLinear {
   int64_t n = 0, k = 0, n_pad = 0, k_pad = 0;
   Isa isa = Isa::scalar;

@@ -47,11 +47,12 @@ class ChainModel(nn.Module):
         attn, own = layer.self_attn(self._input(tokens, features), positions, bias, past)
         return layer.mlp_block(features + attn), own
 
-    def step_many(self, tokens: torch.Tensor, features: torch.Tensor, positions: torch.Tensor,
-                  pasts: list[tuple]) -> tuple[torch.Tensor, tuple]:
-        """One drafting step of R requests at once (row r over its own `pasts[r]`)."""
+    def step_segments(self, tokens: torch.Tensor, features: torch.Tensor, positions: torch.Tensor,
+                      pasts: list[tuple | None], sizes: list[int]) -> tuple[torch.Tensor, tuple]:
+        """`step` for several requests at once: segment r (sizes[r] consecutive rows, causal) over its own
+        `pasts[r]`; the projections and MLP run once for every row."""
         layer = self.layers[0]
-        attn, own = layer.self_attn.attend_blocks(self._input(tokens, features), positions, pasts)
+        attn, own = layer.self_attn.attend_segments(self._input(tokens, features), positions, pasts, sizes, causal=True)
         return layer.mlp_block(features + attn), own
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -95,10 +96,15 @@ class ChainDrafter(Drafter):
         self.tap_layers = tuple(model.spec.tap_layers)
         self._past: dict[int, tuple | None] = {}
         self._last: dict[int, torch.Tensor] = {}  # request -> output of its last real row
+        # request -> verified hidden rows not yet run through the layer: that work waits for the next
+        # proposal (batched over requests), so steps without one (adaptive verification pausing drafts)
+        # cost a list append
+        self._pending: dict[int, list[HiddenRows]] = {}
         self._generators: dict[int, torch.Generator] = {}  # sampled drafts: a stream per request
 
     def begin(self, seq: SequenceView) -> None:
         self._past[seq.request_id] = None
+        self._pending[seq.request_id] = []
         self._generators[seq.request_id] = torch.Generator().manual_seed(seq.request_id)
 
     def _choose(self, logits: torch.Tensor, seq: SequenceView) -> tuple[int, torch.Tensor | None]:
@@ -110,26 +116,44 @@ class ChainDrafter(Drafter):
                                self.model.spec.target_vocab_size)
         return int(drawn[0]), q[0]
 
-    @torch.inference_mode()
     def extend(self, seq: SequenceView, new_tokens: list[int], hidden: HiddenRows | None = None) -> None:
-        if hidden is None or not hidden.rows:
+        if hidden is not None and hidden.rows:
+            self._pending[seq.request_id].append(hidden)
+
+    @torch.inference_mode()
+    def _catch_up(self, seqs: list[SequenceView]) -> None:
+        """Run the layer once over every pending row of these requests: row j reads the target's hidden
+        state at position j and token x_{j+1} (verified by now)."""
+        behind = [seq for seq in seqs if self._pending.get(seq.request_id)]
+        if not behind:
             return
-        rows = hidden.rows
-        tokens = torch.tensor(seq.token_ids[hidden.start + 1 : hidden.start + 1 + rows])
-        past = self._past[seq.request_id]
-        before = 0 if past is None else past[0].shape[1]
-        causal = torch.arange(rows)[None, :] <= torch.arange(rows)[:, None]
-        bias = torch.cat([torch.zeros(rows, before), torch.zeros(rows, rows).masked_fill(~causal, float("-inf"))], 1)
-        features = self.model.features(hidden.concat(self.tap_layers))
-        out, own = self.model.step(tokens, features, hidden.positions(), bias, past)
-        self._past[seq.request_id] = own if past is None else (
-            torch.cat([past[0], own[0]], 1), torch.cat([past[1], own[1]], 1))
-        self._last[seq.request_id] = out[-1:]
+        tokens, taps, positions, sizes = [], [], [], []
+        for seq in behind:
+            pending = self._pending[seq.request_id]
+            rows = torch.cat([h.positions() for h in pending])
+            positions.append(rows)
+            taps.append(torch.cat([h.concat(self.tap_layers) for h in pending]))
+            tokens.append(torch.tensor(seq.token_ids[int(rows[0]) + 1 : int(rows[-1]) + 2]))
+            sizes.append(len(rows))
+            pending.clear()
+        pasts = [self._past[seq.request_id] for seq in behind]
+        out, (k, v) = self.model.step_segments(torch.cat(tokens), self.model.features(torch.cat(taps)),
+                                               torch.cat(positions), pasts, sizes)
+        end = 0
+        for seq, past, size in zip(behind, pasts, sizes, strict=True):
+            own = (k[:, end : end + size], v[:, end : end + size])
+            end += size
+            self._past[seq.request_id] = own if past is None else (
+                torch.cat([past[0], own[0]], 1), torch.cat([past[1], own[1]], 1))
+            self._last[seq.request_id] = out[end - 1 : end]
 
     @torch.inference_mode()
     def propose(self, seq: SequenceView, max_tokens: int) -> Draft:
+        if max_tokens <= 0:
+            return Draft([])
+        self._catch_up([seq])
         last = self._last.get(seq.request_id)
-        if last is None or max_tokens <= 0:
+        if last is None:
             return Draft([])
         past = self._past[seq.request_id]
         draft, margins, probs = [], [], []
@@ -152,6 +176,7 @@ class ChainDrafter(Drafter):
     @torch.inference_mode()
     def propose_many(self, seqs: list[SequenceView], max_tokens: list[int]) -> list[Draft]:
         """Every ready request's chain advanced together: one head and one layer call per step for all."""
+        self._catch_up([seq for seq, k in zip(seqs, max_tokens, strict=True) if k > 0])
         ready = [i for i, (seq, k) in enumerate(zip(seqs, max_tokens, strict=True))
                  if k > 0 and self._last.get(seq.request_id) is not None]
         if len(ready) <= 1:
@@ -173,7 +198,8 @@ class ChainDrafter(Drafter):
             margins.append(top2[:, 0] - top2[:, 1])
             if step + 1 == steps:
                 break
-            last, (k, v) = self.model.step_many(self.model.d2t[chosen[-1]], last, positions, pasts)
+            last, (k, v) = self.model.step_segments(self.model.d2t[chosen[-1]], last, positions, pasts,
+                                                    [1] * len(ready))
             pasts = [(torch.cat([pk, k[:, r : r + 1]], 1), torch.cat([pv, v[:, r : r + 1]], 1))
                      for r, (pk, pv) in enumerate(pasts)]
             positions = positions + 1
@@ -187,4 +213,5 @@ class ChainDrafter(Drafter):
     def end(self, seq: SequenceView) -> None:
         self._past.pop(seq.request_id, None)
         self._last.pop(seq.request_id, None)
+        self._pending.pop(seq.request_id, None)
         self._generators.pop(seq.request_id, None)

@@ -78,8 +78,9 @@ class DFlashModel(nn.Module):
                       ) -> torch.Tensor:
         """`block_hidden` of several requests' blocks in one pass, block r over its own per-layer context
         `pasts[r]`: the projections and MLPs run once for every row."""
-        return self._layers(block_tokens,
-                            lambda i, layer, x: layer.self_attn.attend_blocks(x, positions, [p[i] for p in pasts])[0])
+        sizes = [self.spec.block_size] * len(pasts)
+        return self._layers(block_tokens, lambda i, layer, x: layer.self_attn.attend_segments(
+            x, positions, [p[i] for p in pasts], sizes, causal=False)[0])
 
     def training_hidden(self, taps: torch.Tensor, tokens: torch.Tensor, positions: torch.Tensor,
                         docs: torch.Tensor, anchors: torch.Tensor) -> torch.Tensor:

@@ -7,6 +7,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from specstand import kernels
+
 
 class TargetParts(nn.Module):
     """The target's embedding and head, as frozen buffers; `frozen_for` keeps the head rows of a draft
@@ -16,6 +18,7 @@ class TargetParts(nn.Module):
         super().__init__()
         self.register_buffer("embed_tokens", embed_tokens.detach(), persistent=False)
         self.register_buffer("lm_head", lm_head.detach(), persistent=False)
+        self.packed_head = None  # the head on the CPU kernels (inference only: pack_head)
 
     def frozen_for(self, draft_to_target: torch.Tensor) -> TargetParts:
         return TargetParts(self.embed_tokens, self.lm_head[draft_to_target].float())
@@ -23,5 +26,8 @@ class TargetParts(nn.Module):
     def embed(self, tokens: torch.Tensor) -> torch.Tensor:
         return F.embedding(tokens, self.embed_tokens).float()
 
+    def pack_head(self, path: str) -> None:
+        self.packed_head = kernels.load().Linear(self.lm_head.to(torch.bfloat16), kernels.PATHS[path])
+
     def head(self, hidden: torch.Tensor) -> torch.Tensor:
-        return F.linear(hidden, self.lm_head)
+        return F.linear(hidden, self.lm_head) if self.packed_head is None else self.packed_head.forward(hidden)

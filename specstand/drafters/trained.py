@@ -23,7 +23,7 @@ from specstand.drafters.dflash2 import DFlash2Model
 from specstand.drafters.dspark import DSparkModel
 from specstand.drafters.eagle3 import build_eagle3, eagle3_drafter, eagle3_tap_layers
 from specstand.drafters.mtp import build_mtp, mtp_drafter, mtp_tap_layers
-from specstand.drafters.nn import DrafterSpec
+from specstand.drafters.nn import DrafterSpec, pack_for_inference
 from specstand.drafters.target_parts import TargetParts
 
 SHIPPED_ROOT = Path(__file__).resolve().parents[2] / "drafters"
@@ -130,7 +130,9 @@ def load_drafter_model(folder: Path, embed_tokens: torch.Tensor, lm_head: torch.
 
 
 def load_drafter(folder: Path, embed_tokens: torch.Tensor, lm_head: torch.Tensor) -> Drafter:
+    """The drafter in `folder` for inference (its linears on the CPU kernels where they build)."""
     model = load_drafter_model(folder, embed_tokens, lm_head)
+    pack_for_inference(model)
     return TRAINED[model.spec.method][2](model)
 
 

@@ -14,6 +14,7 @@ Cutting a draft never changes an answer: the target verifies whatever prefix is 
 from __future__ import annotations
 
 import time
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -33,12 +34,17 @@ class AcceptanceModel:
     prior: float = 0.5  # the estimate before any outcome is seen
     window: int = 4096  # outcomes kept for the fit
     refit_every: int = 100
+    first_fit: int = 8  # drafts (or eight times as many outcomes) before the first fit
     l2: float = 1e-2
     _features: list[tuple[float, float]] = field(default_factory=list)
     _labels: list[float] = field(default_factory=list)
     _weights: np.ndarray | None = None
     _since_fit: int = 0
     _calibrated: bool = False
+
+    @property
+    def fitted(self) -> bool:
+        return self._weights is not None
 
     def probabilities(self, confidence: list[float], calibrated: bool = False) -> np.ndarray:
         if self._weights is None:
@@ -58,7 +64,8 @@ class AcceptanceModel:
         if len(self._labels) > self.window:
             del self._features[: -self.window], self._labels[: -self.window]
         self._since_fit += 1
-        if self._since_fit >= self.refit_every or (self._weights is None and len(self._labels) >= 64):
+        first = self._weights is None and (self._since_fit >= self.first_fit or len(self._labels) >= 8 * self.first_fit)
+        if first or self._since_fit >= self.refit_every:
             self._fit()
 
     @staticmethod
@@ -70,13 +77,20 @@ class AcceptanceModel:
         data = np.asarray(self._features, dtype=np.float64)
         labels = np.asarray(self._labels, dtype=np.float64)
         x = self._design(data[:, 0], data[:, 1])
-        start = np.array([0.0, 1.0, 0.0]) if self._calibrated else np.zeros(3)
-        w = start if self._weights is None else self._weights.copy()
-        for _ in range(8):  # Newton's method on the L2-regularised log loss
+        w = np.array([0.0, 1.0, 0.0]) if self._calibrated else np.zeros(3)
+
+        def loss(w: np.ndarray) -> float:
+            z = x @ w
+            return float(np.sum(np.logaddexp(0.0, z) - labels * z) + 0.5 * self.l2 * w @ w)
+
+        for _ in range(8):  # Newton's method on the L2-regularised log loss, steps halved until it falls
             p = sigmoid(x @ w)
             gradient = x.T @ (p - labels) + self.l2 * w
             hessian = (x * (p * (1 - p))[:, None]).T @ x + self.l2 * np.eye(3)
-            w -= np.linalg.solve(hessian, gradient)
+            step, current = np.linalg.solve(hessian, gradient), loss(w)
+            while loss(w - step) > current and np.abs(step).max() > 1e-6:
+                step /= 2
+            w = w - step
         self._weights = w
 
 
@@ -152,11 +166,18 @@ class AdaptiveVerifier:
 
     pass_cost: PassCost
     acceptance: AcceptanceModel = field(default_factory=AcceptanceModel)
-    draft_seconds: float = 0.0  # running mean of a step's drafting time
+    # a step's drafting time: the median of the latest ones (a drafter's first proposal for a request also
+    # reads its prompt, and the first after a pause the rows it missed: those must not set the price)
+    draft_times: deque[float] = field(default_factory=lambda: deque(maxlen=15))
     max_pause: int = 16  # steps without drafting, at most, before drafting is tried again
+    max_depth: int = 5  # K: the most draft tokens a request is asked for
+    depth: int = field(init=False)  # how deep to draft next: one past the deepest share the last budget gave
     _pause: int = 0  # steps left without drafting
     _backoff: int = 0
     _probing: bool = False  # the first drafting step after a pause verifies a token of every draft
+
+    def __post_init__(self) -> None:
+        self.depth = self.max_depth
 
     def should_draft(self) -> bool:
         if self._pause > 0:
@@ -165,19 +186,30 @@ class AdaptiveVerifier:
             return False
         return True
 
+    @property
+    def draft_seconds(self) -> float:
+        return float(np.median(self.draft_times)) if self.draft_times else 0.0
+
     def record_draft_time(self, seconds: float) -> None:
-        self.draft_seconds = seconds if self.draft_seconds == 0.0 else 0.8 * self.draft_seconds + 0.2 * seconds
+        self.draft_times.append(seconds)
 
     def trim(self, drafts: list[Draft], contexts: list[int]) -> list[Draft]:
         """Cut each draft (of a request with `contexts[i]` cached positions) to its share of the step's
-        budget; pause drafting if no budget paid for it."""
+        budget; pause drafting if no budget paid for it. Until the acceptance estimate has outcomes to
+        stand on (or the drafter's confidence is calibrated), drafts are verified whole: cutting them on a
+        guess would starve the estimate of the outcomes it needs."""
         if not any(d.tokens for d in drafts):
+            return drafts
+        if not self.acceptance.fitted and not any(d.calibrated for d in drafts):
             return drafts
         survival = [np.cumprod(self.acceptance.probabilities(_confidence(d), d.calibrated)) for d in drafts]
         counts = choose_budget(survival, self.pass_cost, self.draft_seconds, contexts)
         if self._probing:  # outcomes keep the estimates honest even while they advise against drafting
             counts = [max(n, min(1, len(d.tokens))) for n, d in zip(counts, drafts, strict=True)]
             self._probing = False
+        # a chain drafter's cost grows with its depth: draft no deeper than the budget went, plus one to
+        # see whether the next position would pay
+        self.depth = min(max(counts) + 1, self.max_depth)
         requests, expected = len(drafts), sum(float(s[:n].sum()) for s, n in zip(survival, counts, strict=True))
         keys = sum(contexts)
         drafted_keys = keys + sum(n * c for n, c in zip(counts, contexts, strict=True))

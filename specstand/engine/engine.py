@@ -120,7 +120,8 @@ class Engine:
         self._last_use: dict[int, int] = {}  # slot -> when its request ended (free slots are evicted LRU)
         self._clock = 0
         self._adaptive = (
-            AdaptiveVerifier(self._profile_pass_cost()) if config.adaptive and drafter is not None else None
+            AdaptiveVerifier(self._profile_pass_cost(), max_depth=config.num_speculative_tokens)
+            if config.adaptive and drafter is not None else None
         )
         self._waiting: deque[tuple[int, Request]] = deque()
         self._running: dict[int, _Running] = {}
@@ -417,8 +418,10 @@ class Engine:
     def _propose(self, states: list[_Running]) -> list[Draft | Exception]:
         """Every decoding request's draft, in one drafter call (block drafters batch their passes); if that
         call fails, each request is asked alone, so a failure costs only the request it belongs to."""
-        # never draft past max_tokens: the pass emits accepted drafts + 1 target token
-        budgets = [min(self.config.num_speculative_tokens, s.request.max_tokens - s.emitted - 1) for s in states]
+        # never draft past max_tokens (the pass emits accepted drafts + 1 target token), nor deeper than
+        # adaptive verification last found worth verifying
+        depth = self._adaptive.depth if self._adaptive is not None else self.config.num_speculative_tokens
+        budgets = [min(depth, s.request.max_tokens - s.emitted - 1) for s in states]
         if self.drafter is None or not any(b > 0 for b in budgets):
             return [Draft([]) for _ in states]
         started = time.perf_counter()

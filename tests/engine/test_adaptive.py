@@ -11,7 +11,7 @@ import torch
 from specstand.drafters import DRAFTERS, Draft, Drafter, SequenceView, make_drafter
 from specstand.engine import Engine, EngineConfig, Request
 from specstand.engine import engine as engine_module
-from specstand.engine.adaptive import AcceptanceModel, PassCost, choose_budget, profile_pass_cost
+from specstand.engine.adaptive import AcceptanceModel, AdaptiveVerifier, PassCost, choose_budget, profile_pass_cost
 from tests.conftest import FORWARDS, FixedCost, random_prompts, tiny_decoder
 
 
@@ -115,3 +115,41 @@ def test_every_drafter_with_adaptive_verification_is_token_identical(forward, mo
         results = engine.generate(requests)
         assert [r.output_ids for r in results] == plain, method
         assert sum(r.stats.accepted_tokens for r in results) > 0, method
+
+
+def _verifier(max_depth: int = 5) -> AdaptiveVerifier:
+    # a row costs a tenth of a pass: only likely positions pay for theirs
+    return AdaptiveVerifier(FixedCost([1, 64], [1.0, 7.3]), max_depth=max_depth)
+
+
+def test_drafts_are_verified_whole_until_outcomes_can_price_them():
+    verifier = _verifier()
+    verifier.record_draft_time(0.1)
+    drafts = [Draft([1, 2, 3, 4, 5], confidence=[0.0] * 5)]
+    assert verifier.trim(drafts, [0]) == drafts  # no estimate yet: the whole draft, no pause
+    assert verifier.should_draft()
+    for _ in range(verifier.acceptance.first_fit):  # every draft rejected at its first token
+        verifier.observe(drafts[0], 0)
+    assert verifier.acceptance.fitted
+    assert [len(d.tokens) for d in verifier.trim(drafts, [0])] == [0]
+    assert not verifier.should_draft()  # and drafting pauses
+
+
+def test_draft_depth_follows_the_budget():
+    verifier = _verifier(max_depth=4)
+    assert verifier.depth == 4
+    for _ in range(16):  # the first position is always accepted, the second never
+        verifier.observe(Draft([1, 2], confidence=[5.0, -5.0]), 1)
+    counts = [len(d.tokens) for d in verifier.trim([Draft([1, 2, 3, 4], confidence=[5.0, -5.0, -5.0, -5.0])] * 2,
+                                                   [0, 0])]
+    assert counts == [1, 1] and verifier.depth == 2  # one past the deepest share: the next may pay
+    verifier.observe(Draft([1, 2, 3, 4], confidence=[5.0] * 4), 4)
+    verifier.trim([Draft([1, 2, 3, 4], confidence=[5.0] * 4)], [0])
+    assert verifier.depth <= 4
+
+
+def test_draft_cost_is_not_set_by_a_proposal_that_read_a_prompt():
+    verifier = _verifier()
+    for seconds in (0.010, 0.011, 0.5, 0.009, 0.010):  # 0.5: the first proposal after a long prompt
+        verifier.record_draft_time(seconds)
+    assert verifier.draft_seconds == pytest.approx(0.010)

@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 
 import torch
+from printed import Printed
 
 from specstand import kernels
 from specstand.kernels import q8_0
@@ -36,11 +37,7 @@ def main() -> None:
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    lines: list[str] = []
-
-    def say(line: str = "") -> None:
-        print(line, flush=True)
-        lines.append(line)
+    say = Printed()
 
     path = kernels.best_path()
     n, k = 2 * 4864, 896
@@ -65,9 +62,7 @@ def main() -> None:
             seconds = median_seconds(lambda run=run, inputs=inputs: run(inputs), args.repeats)
             cells.append(f"{seconds * 1e3:.2f} ({rows * n * k / seconds / 1e9:.0f})")
         say(f"{rows:4d} | {cells[0]:>21} | {cells[1]:>22} | {cells[2]:>21}")
-    if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text("\n".join(lines) + "\n")
+    say.write(args.out)
 
 
 if __name__ == "__main__":

@@ -22,6 +22,7 @@ import time
 from pathlib import Path
 
 import torch
+from printed import Printed
 
 from specstand import kernels
 from specstand.drafters import make_drafter
@@ -153,11 +154,7 @@ def main() -> None:
                         help="a Python with llama-cpp-python (source build): also measure it on the preset's GGUF")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    lines: list[str] = []
-
-    def say(line: str = "") -> None:
-        print(line, flush=True)
-        lines.append(line)
+    say = Printed()
 
     capacity = max(1024, args.context + 64)
     loaded = load_model(args.model, args.dtype, max_seq_len=capacity, log=lambda m: None)
@@ -253,9 +250,7 @@ def main() -> None:
         target, rest = profile_step(loaded, prompt_ids, args.tokens)
         say(f"profile (ngram, K=7, {args.tokens} tokens): target passes {target:.2f} s, drafting + "
             f"verification + bookkeeping {rest:.2f} s ({rest / (target + rest):.0%} of a step)")
-    if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text("\n".join(lines) + "\n")
+    say.write(args.out)
 
 
 if __name__ == "__main__":

@@ -20,6 +20,7 @@ import time
 from pathlib import Path
 
 import httpx
+from printed import Printed
 
 from specstand import kernels
 
@@ -121,11 +122,7 @@ def main() -> None:
     server = subprocess.Popen([sys.executable, "-m", "specstand.cli", "serve", "--model", args.model, "--method",
                                args.method, "--port", str(port), "--max-batch", str(args.max_batch),
                                "--max-queue", str(4 * args.clients)], stderr=subprocess.DEVNULL)
-    lines: list[str] = []
-
-    def say(line: str = "") -> None:
-        print(line, flush=True)
-        lines.append(line)
+    say = Printed()
 
     try:
         deadline = time.time() + 600
@@ -183,9 +180,7 @@ def main() -> None:
         "client error", 0) + tally.counts.get("bad answered wrongly", 0)
     say(f"verdict: {'PASS' if lost == 0 and final_health == 200 else 'FAIL'} ({lost} lost, corrupted or "
         "wrongly answered requests)")
-    if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text("\n".join(lines) + "\n")
+    say.write(args.out)
 
 
 if __name__ == "__main__":

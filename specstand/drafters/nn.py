@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from specstand import kernels
+from specstand.drafters.target_parts import TargetParts
 
 
 @dataclass
@@ -194,7 +195,7 @@ def pack_for_inference(model: nn.Module) -> str:
         for name, child in list(module.named_children()):
             if type(child) is nn.Linear:
                 setattr(module, name, KernelLinear(child.weight, child.bias, path))
-        if hasattr(module, "pack_head"):
+        if isinstance(module, TargetParts):
             module.pack_head(path)
     return path
 

@@ -144,18 +144,24 @@ class DFlashDrafter(Drafter):
             self._pending[seq.request_id].append(hidden)
 
     @torch.inference_mode()
-    def _catch_up(self, request_id: int) -> None:
-        pending = self._pending[request_id]
-        if not pending:
+    def _catch_up(self, request_ids: list[int]) -> None:
+        """Turn every pending hidden row of these requests into context keys/values, in one call for all
+        (the context rows and their keys/values are computed row by row)."""
+        behind = [r for r in request_ids if self._pending.get(r)]
+        if not behind:
             return
-        positions = torch.cat([h.positions() for h in pending])
-        taps = torch.cat([h.concat(self.tap_layers) for h in pending])
-        pending.clear()
-        new = self.model.context_keys_values(self.model.context(taps), positions)
-        old = self._context[request_id]
-        self._context[request_id] = new if not old else [
-            (torch.cat([ok, nk], 1), torch.cat([ov, nv], 1)) for (ok, ov), (nk, nv) in zip(old, new, strict=True)
-        ]
+        positions = [torch.cat([h.positions() for h in self._pending[r]]) for r in behind]
+        taps = torch.cat([h.concat(self.tap_layers) for r in behind for h in self._pending[r]])
+        new = self.model.context_keys_values(self.model.context(taps), torch.cat(positions))
+        end = 0
+        for r, rows in zip(behind, positions, strict=True):
+            self._pending[r].clear()
+            mine = [(k[:, end : end + len(rows)], v[:, end : end + len(rows)]) for k, v in new]
+            end += len(rows)
+            old = self._context[r]
+            self._context[r] = mine if not old else [
+                (torch.cat([ok, nk], 1), torch.cat([ov, nv], 1)) for (ok, ov), (nk, nv) in zip(old, mine, strict=True)
+            ]
 
     def _block(self, seq: SequenceView) -> tuple[torch.Tensor, torch.Tensor]:
         """Tokens and positions of the request's next block: [last token, MASK x (B-1)] at n-1, n, ..."""
@@ -173,7 +179,7 @@ class DFlashDrafter(Drafter):
         """Whether the request can draft now (its context caught up first)."""
         if max_tokens <= 0 or seq.request_id not in self._context:
             return False
-        self._catch_up(seq.request_id)
+        self._catch_up([seq.request_id])
         return bool(self._context[seq.request_id])
 
     @torch.inference_mode()
@@ -187,6 +193,7 @@ class DFlashDrafter(Drafter):
     @torch.inference_mode()
     def propose_many(self, seqs: list[SequenceView], max_tokens: list[int]) -> list[Draft]:
         """One drafter pass over every ready request's block (per-request attention over its own context)."""
+        self._catch_up([seq.request_id for seq, k in zip(seqs, max_tokens, strict=True) if k > 0])
         ready = [i for i, (seq, k) in enumerate(zip(seqs, max_tokens, strict=True)) if self._ready(seq, k)]
         drafts = [Draft([]) for _ in seqs]
         if len(ready) == 1:

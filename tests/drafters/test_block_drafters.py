@@ -9,9 +9,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from specstand.drafters import make_drafter
-from specstand.drafters.dflash import DFlashModel
+from specstand.drafters import HiddenRows, SequenceView, make_drafter
+from specstand.drafters.dflash import DFlashDrafter, DFlashModel
 from specstand.drafters.dflash2 import DFlash2Model, GroupedDynamicConv
+from specstand.drafters.nn import DrafterSpec
 from specstand.drafters.target_parts import TargetParts
 from specstand.drafters.trained import load_drafter_model
 from specstand.engine import Engine, EngineConfig, Request
@@ -160,3 +161,30 @@ def test_one_batched_drafter_pass_drafts_what_separate_passes_draft(method, trai
             assert many.tokens == one.tokens
             torch.testing.assert_close(torch.tensor(many.confidence), torch.tensor(one.confidence),
                                        atol=1e-4, rtol=1e-4)
+
+
+def test_contexts_caught_up_together_equal_contexts_caught_up_one_request_at_a_time():
+    spec = DrafterSpec("dflash", "tiny", "LlamaForCausalLM", 50, 32, num_heads=4, num_kv_heads=2, head_dim=8,
+                       intermediate_size=64, num_layers=2, rms_eps=1e-6, rope_theta=10000.0, tap_layers=[1, 2, 3],
+                       draft_vocab_size=50, block_size=4, mask_token_id=0)
+    torch.manual_seed(0)
+    model = DFlashModel(spec, TargetParts(torch.randn(50, 32), torch.randn(50, 32)), torch.arange(50)).eval()
+    together, alone = DFlashDrafter(model), DFlashDrafter(model)
+    generator = torch.Generator().manual_seed(1)
+    seqs = [SequenceView(r, torch.randint(1, 50, (12 + r,), generator=generator).tolist(), 10) for r in range(3)]
+    for seq in seqs:
+        together.begin(seq)
+        alone.begin(seq)
+    for seq in seqs:  # request r: a prompt of 10 + r rows, then a verified row, before any proposal
+        prompt = 10 + seq.request_id
+        for start, count in ((0, prompt), (prompt, 1)):
+            hidden = HiddenRows(start, {layer: torch.randn(count, 32, generator=generator) for layer in (1, 2, 3)})
+            together.extend(seq, [], hidden)
+            alone.extend(seq, [], hidden)
+    drafts = together.propose_many(seqs, [3, 3, 3])  # one catch-up for all three
+    assert [d.tokens for d in drafts] == [alone.propose(seq, 3).tokens for seq in seqs]
+    for seq in seqs:
+        for (k1, v1), (k2, v2) in zip(together._context[seq.request_id], alone._context[seq.request_id], strict=True):
+            assert k1.shape[1] == 11 + seq.request_id
+            torch.testing.assert_close(k1, k2, atol=1e-5, rtol=1e-5)
+            torch.testing.assert_close(v1, v2, atol=1e-5, rtol=1e-5)

@@ -13,6 +13,7 @@ from specstand.drafters.chain import ChainDrafter, ChainModel
 from specstand.drafters.eagle3 import build_eagle3
 from specstand.drafters.nn import Attention, DrafterSpec, KernelLinear, pack_for_inference
 from specstand.drafters.target_parts import TargetParts
+from tests.conftest import FORWARDS
 
 VOCAB, HIDDEN, TAPS = 50, 32, (1, 2, 3)
 
@@ -26,25 +27,15 @@ def _eagle3() -> ChainModel:
     return build_eagle3(spec, parts, torch.arange(VOCAB)).eval()
 
 
-def _kernels_build() -> bool:
-    try:
-        kernels.best_path()
-    except kernels.KernelsUnavailable:
-        return False
-    return True
-
-
 def _rows(start: int, count: int, generator: torch.Generator) -> HiddenRows:
     return HiddenRows(start, {layer: torch.randn(count, HIDDEN, generator=generator) for layer in TAPS})
 
 
-@pytest.mark.parametrize("packed", [False, True])
-def test_rows_caught_up_late_and_together_give_what_keeping_up_gives(packed):
-    if packed and not _kernels_build():
-        pytest.skip("the kernels do not build here")
+@pytest.mark.parametrize("forward", FORWARDS)
+def test_rows_caught_up_late_and_together_give_what_keeping_up_gives(forward, monkeypatch):
+    monkeypatch.setenv(kernels.PATH_ENV, forward)  # "python": torch's fp32 linears
     model = _eagle3()
-    if packed:
-        pack_for_inference(model)
+    assert pack_for_inference(model) == forward
     eager, lazy = ChainDrafter(model, "eagle3"), ChainDrafter(model, "eagle3")
     generator = torch.Generator().manual_seed(1)
     prompts = [torch.randint(0, VOCAB, (11,), generator=generator).tolist() for _ in range(3)]  # + 1st answer token
@@ -113,9 +104,12 @@ def test_segments_attend_causally_over_their_own_past_only():
             torch.testing.assert_close(out[rows], expected, atol=1e-5, rtol=1e-5)
 
 
-def test_packing_keeps_the_state_dict_and_stays_close_to_the_fp32_layer():
+@pytest.mark.parametrize("forward", FORWARDS)
+def test_packing_keeps_the_state_dict_and_stays_close_to_the_fp32_layer(forward, monkeypatch):
+    monkeypatch.setenv(kernels.PATH_ENV, forward)
     model, reference = _eagle3(), _eagle3()
     path = pack_for_inference(model)
+    assert path == forward
     assert model.state_dict().keys() == reference.state_dict().keys()
     for name, tensor in reference.state_dict().items():
         torch.testing.assert_close(model.state_dict()[name], tensor, atol=0, rtol=0)

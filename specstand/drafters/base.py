@@ -47,6 +47,11 @@ class HiddenRows:
         return torch.cat([self.taps[layer].to(dtype) for layer in layers], dim=-1)
 
 
+def join_rows(rows: list[HiddenRows], layers: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Consecutive stretches of hidden rows as one: their positions [T] and concatenated taps [T, layers x H]."""
+    return torch.cat([h.positions() for h in rows]), torch.cat([h.concat(layers) for h in rows])
+
+
 @dataclass
 class Draft:
     tokens: list[int]

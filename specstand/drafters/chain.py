@@ -12,8 +12,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from specstand.drafters.base import Draft, Drafter, HiddenRows, SequenceView
-from specstand.drafters.nn import DecoderLayer, DrafterSpec, RMSNorm, draw_drafts
+from specstand.drafters.base import Draft, Drafter, HiddenRows, SequenceView, join_rows
+from specstand.drafters.nn import DecoderLayer, DrafterSpec, RMSNorm, append_keys_values, draw_drafts
 from specstand.drafters.target_parts import TargetParts
 
 
@@ -129,22 +129,19 @@ class ChainDrafter(Drafter):
             return
         tokens, taps, positions, sizes = [], [], [], []
         for seq in behind:
-            pending = self._pending[seq.request_id]
-            rows = torch.cat([h.positions() for h in pending])
+            rows, rows_taps = join_rows(self._pending[seq.request_id], self.tap_layers)
+            self._pending[seq.request_id].clear()
             positions.append(rows)
-            taps.append(torch.cat([h.concat(self.tap_layers) for h in pending]))
+            taps.append(rows_taps)
             tokens.append(torch.tensor(seq.token_ids[int(rows[0]) + 1 : int(rows[-1]) + 2]))
             sizes.append(len(rows))
-            pending.clear()
         pasts = [self._past[seq.request_id] for seq in behind]
         out, (k, v) = self.model.step_segments(torch.cat(tokens), self.model.features(torch.cat(taps)),
                                                torch.cat(positions), pasts, sizes)
         end = 0
         for seq, past, size in zip(behind, pasts, sizes, strict=True):
-            own = (k[:, end : end + size], v[:, end : end + size])
+            self._past[seq.request_id] = append_keys_values(past, (k[:, end : end + size], v[:, end : end + size]))
             end += size
-            self._past[seq.request_id] = own if past is None else (
-                torch.cat([past[0], own[0]], 1), torch.cat([past[1], own[1]], 1))
             self._last[seq.request_id] = out[end - 1 : end]
 
     @torch.inference_mode()
@@ -169,7 +166,7 @@ class ChainDrafter(Drafter):
                 break
             token = self.model.d2t[draft[-1:]]
             last, own = self.model.step(token, last, torch.tensor([position]), None, past)
-            past = (torch.cat([past[0], own[0]], 1), torch.cat([past[1], own[1]], 1))
+            past = append_keys_values(past, own)
             position += 1
         return Draft(self.model.d2t[draft].tolist(), None if probs[0] is None else torch.stack(probs), margins)
 
@@ -200,8 +197,7 @@ class ChainDrafter(Drafter):
                 break
             last, (k, v) = self.model.step_segments(self.model.d2t[chosen[-1]], last, positions, pasts,
                                                     [1] * len(ready))
-            pasts = [(torch.cat([pk, k[:, r : r + 1]], 1), torch.cat([pv, v[:, r : r + 1]], 1))
-                     for r, (pk, pv) in enumerate(pasts)]
+            pasts = [append_keys_values(past, (k[:, r : r + 1], v[:, r : r + 1])) for r, past in enumerate(pasts)]
             positions = positions + 1
         tokens, margins = self.model.d2t[torch.stack(chosen, 1)].tolist(), torch.stack(margins, 1).tolist()
         drafts = [Draft([]) for _ in seqs]

@@ -21,8 +21,8 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from specstand.drafters.base import Draft, Drafter, HiddenRows, SequenceView
-from specstand.drafters.nn import DecoderLayer, DrafterSpec, RMSNorm, document_bias, draw_drafts
+from specstand.drafters.base import Draft, Drafter, HiddenRows, SequenceView, join_rows
+from specstand.drafters.nn import DecoderLayer, DrafterSpec, RMSNorm, append_keys_values, document_bias, draw_drafts
 from specstand.drafters.target_parts import TargetParts
 
 
@@ -150,18 +150,16 @@ class DFlashDrafter(Drafter):
         behind = [r for r in request_ids if self._pending.get(r)]
         if not behind:
             return
-        positions = [torch.cat([h.positions() for h in self._pending[r]]) for r in behind]
-        taps = torch.cat([h.concat(self.tap_layers) for r in behind for h in self._pending[r]])
-        new = self.model.context_keys_values(self.model.context(taps), torch.cat(positions))
+        joined = [join_rows(self._pending[r], self.tap_layers) for r in behind]
+        new = self.model.context_keys_values(self.model.context(torch.cat([taps for _, taps in joined])),
+                                             torch.cat([rows for rows, _ in joined]))
         end = 0
-        for r, rows in zip(behind, positions, strict=True):
+        for r, (rows, _) in zip(behind, joined, strict=True):
             self._pending[r].clear()
-            mine = [(k[:, end : end + len(rows)], v[:, end : end + len(rows)]) for k, v in new]
+            old = self._context[r] or [None] * len(new)
+            self._context[r] = [append_keys_values(past, (k[:, end : end + len(rows)], v[:, end : end + len(rows)]))
+                                for past, (k, v) in zip(old, new, strict=True)]
             end += len(rows)
-            old = self._context[r]
-            self._context[r] = mine if not old else [
-                (torch.cat([ok, nk], 1), torch.cat([ov, nv], 1)) for (ok, ov), (nk, nv) in zip(old, mine, strict=True)
-            ]
 
     def _block(self, seq: SequenceView) -> tuple[torch.Tensor, torch.Tensor]:
         """Tokens and positions of the request's next block: [last token, MASK x (B-1)] at n-1, n, ..."""
@@ -176,14 +174,12 @@ class DFlashDrafter(Drafter):
         return self.model.draft(rows, seq.token_ids[-1], seq.temperature, self._generators[seq.request_id])
 
     def _ready(self, seq: SequenceView, max_tokens: int) -> bool:
-        """Whether the request can draft now (its context caught up first)."""
-        if max_tokens <= 0 or seq.request_id not in self._context:
-            return False
-        self._catch_up([seq.request_id])
-        return bool(self._context[seq.request_id])
+        """Whether the request can draft now (once its context has caught up)."""
+        return max_tokens > 0 and bool(self._context.get(seq.request_id))
 
     @torch.inference_mode()
     def propose(self, seq: SequenceView, max_tokens: int) -> Draft:
+        self._catch_up([seq.request_id])
         if not self._ready(seq, max_tokens):
             return Draft([])
         tokens, positions = self._block(seq)

@@ -66,6 +66,12 @@ class DrafterSpec:
         return cls(**json.loads(text))
 
 
+def append_keys_values(past: tuple[torch.Tensor, torch.Tensor] | None,
+                       new: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Keys and values [heads, T, D] of `new` rows after those of `past` (None: nothing yet)."""
+    return new if past is None else (torch.cat([past[0], new[0]], 1), torch.cat([past[1], new[1]], 1))
+
+
 def rope(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.Tensor:
     """Rotary embedding, half-split layout, x [..., T, D] with positions [T]."""
     half = x.shape[-1] // 2
@@ -117,7 +123,7 @@ class Attention(nn.Module):
         added to the scores (None: every key visible). Returns the output and the rows' own keys/values."""
         q = rope(self._heads(x, self.q_proj, self.q_norm), positions, self.spec.rope_theta)
         own = self.keys_values(x, positions)
-        k, v = own if past is None else (torch.cat([past[0], own[0]], 1), torch.cat([past[1], own[1]], 1))
+        k, v = append_keys_values(past, own)
         mask = None if bias is None else bias.to(q.dtype)
         out = F.scaled_dot_product_attention(q[None], k[None], v[None], attn_mask=mask, enable_gqa=True)[0]
         return self.o_proj(out.transpose(0, 1).reshape(len(x), -1)), own
@@ -134,8 +140,7 @@ class Attention(nn.Module):
         for past, size in zip(pasts, sizes, strict=True):
             rows = slice(start, start + size)
             start += size
-            keys, values = (k[:, rows], v[:, rows]) if past is None else (
-                torch.cat([past[0], k[:, rows]], 1), torch.cat([past[1], v[:, rows]], 1))
+            keys, values = append_keys_values(past, (k[:, rows], v[:, rows]))
             mask = None
             if causal and size > 1:  # row i sees the past and its segment's rows up to i
                 mask = torch.ones(size, keys.shape[1], dtype=torch.bool).tril(keys.shape[1] - size)
@@ -177,7 +182,7 @@ class KernelLinear(nn.Module):
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, path: str) -> None:
         super().__init__()
         self.weight, self.bias = weight, bias
-        self.packed = kernels.load().Linear(weight.detach().to(torch.bfloat16), kernels.PATHS[path])
+        self.packed = kernels.pack(weight, path)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.packed.forward(x)

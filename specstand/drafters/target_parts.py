@@ -27,7 +27,7 @@ class TargetParts(nn.Module):
         return F.embedding(tokens, self.embed_tokens).float()
 
     def pack_head(self, path: str) -> None:
-        self.packed_head = kernels.load().Linear(self.lm_head.to(torch.bfloat16), kernels.PATHS[path])
+        self.packed_head = kernels.pack(self.lm_head, path)
 
     def head(self, hidden: torch.Tensor) -> torch.Tensor:
         return F.linear(hidden, self.lm_head) if self.packed_head is None else self.packed_head.forward(hidden)

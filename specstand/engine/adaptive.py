@@ -64,7 +64,7 @@ class AcceptanceModel:
         if len(self._labels) > self.window:
             del self._features[: -self.window], self._labels[: -self.window]
         self._since_fit += 1
-        first = self._weights is None and (self._since_fit >= self.first_fit or len(self._labels) >= 8 * self.first_fit)
+        first = not self.fitted and (self._since_fit >= self.first_fit or len(self._labels) >= 8 * self.first_fit)
         if first or self._since_fit >= self.refit_every:
             self._fit()
 

@@ -111,9 +111,14 @@ def cpu_model() -> str:
     return _cpuinfo("model name") or "unknown CPU"
 
 
+def pack(weight: torch.Tensor, path: str):  # -> the extension's Linear
+    """A weight [n, k] packed once, as bf16, for the kernel `path`: its forward(x) gives x @ weight.T in fp32."""
+    return load().Linear(weight.detach().to(torch.bfloat16), PATHS[path])
+
+
 def linear(weight: torch.Tensor, x: torch.Tensor, path: str) -> torch.Tensor:
     """x [m, k] @ weight[n, k].T through the kernel `path` (packs the weight on every call: for tests)."""
-    return load().Linear(weight, PATHS[path]).forward(x)
+    return pack(weight, path).forward(x)
 
 
 def linear_q8_0(q: torch.Tensor, d: torch.Tensor, x: torch.Tensor, path: str) -> torch.Tensor:

@@ -22,8 +22,9 @@ from tests.engine.test_lossless import assert_every_drafter_answers_as_plain_dec
 pytestmark = pytest.mark.skipif(not KERNEL_PATHS, reason="the kernels do not build on this machine")
 
 
-# head widths: 16 (the tiny twins), 64 (both presets), 128; each takes its own attention code
-HEAD_DIMS = (16, 64, 128)
+# head widths: 16 (the tiny twins), 32, 64 (both presets), 128; each takes its own attention code (on amx,
+# 16 the AVX-512 path, the others tile products)
+HEAD_DIMS = (16, 32, 64, 128)
 
 
 @pytest.mark.parametrize("head_dim", HEAD_DIMS)
@@ -165,6 +166,25 @@ def test_q8_0_without_the_kernels_is_refused_not_run_as_bf16(monkeypatch):
         attach_compiled(model, weight_format="q8_0")
     with pytest.raises(ValueError, match="unknown weight format"):
         attach_compiled(model, KERNEL_PATHS[-1], weight_format="q4")
+
+
+def test_logits_a_caller_still_holds_are_never_overwritten_by_the_next_pass():
+    """The decoder reuses its logits tensor only once nobody holds it or a view of it."""
+    runner = TargetRunner(tiny_decoder("llama", torch.bfloat16, forward=KERNEL_PATHS[-1]), 1, 128)
+    keys, values = runner.cache.keys, runner.cache.values
+
+    def logits(token: int, position: int) -> torch.Tensor:
+        return runner.compiled.forward([token, token + 1], [0, 0], [position, position + 1], keys, values)[0]
+
+    held = logits(3, 0)
+    view = logits(5, 2)[1]
+    kept = held.clone(), view.clone()
+    fresh = logits(7, 4)  # reuses nothing held: both tensors above are still alive
+    assert torch.equal(held, kept[0]) and torch.equal(view, kept[1])
+    assert not torch.equal(fresh, held)
+    del held, view, fresh
+    again = [logits(9, 6).clone() for _ in range(2)]  # the buffer is free now: reused, same results
+    assert torch.equal(again[0], again[1])
 
 
 @pytest.mark.parametrize("path", KERNEL_PATHS)

@@ -1,8 +1,13 @@
-// Decode/verify attention in fp32 over a bf16 cache (widened exactly on load), two paths side by side:
-// AVX-512 (FMA, 16 keys a step) where the linear path is avx512bf16 or amx, and portable 8-lane vectors
-// (common.h) elsewhere. Every sum has a fixed order that depends on the row's own cache length only, so a
-// row computes the same bits alone or beside other rows. Tasks group a request's rows per kv head, so its
-// cache is read from memory about once a pass.
+// Decode/verify attention over a bf16 cache, three paths side by side:
+//   amx (head_dim 32, 64 or 128): queries and softmax weights rounded to bf16, tdpbf16ps for q.k and p.v
+//        with fp32 accumulation, softmax in fp32. A request's query vectors (its rows x the heads sharing a
+//        kv head) fill 16-row tiles; each element of a tile product depends on its own row alone, and keys
+//        past a row's length weigh exactly 0, so which rows share a tile never changes a row's bits.
+//   avx512 (other widths on amx, all on avx512bf16): fp32 FMA over keys widened exactly on load.
+//   portable: 8-lane vectors (common.h) elsewhere.
+// Every sum has a fixed order that depends on the row's own cache length only, so a row computes the same
+// bits alone or beside other rows. Tasks group a request's rows per kv head, so its cache is read from
+// memory about once a pass.
 #include "attention.h"
 
 #include <ATen/Parallel.h>
@@ -12,6 +17,7 @@
 #include <vector>
 
 #include "common.h"
+#include "tiles.h"
 
 namespace specstand {
 
@@ -129,6 +135,211 @@ __attribute__((target("avx512f"))) static void attend_group16(const float* q, fl
   weigh_values16_heads<DC, H>(scores.data(), padded, inverse_sum, out, group, slot, kv, length, cache);
 }
 
+// ---- amx: S = Q K^T and O = P V as tile products -----------------------------------------------------------
+
+// One task's operands in tile layouts, rebuilt per task (a request's keys are read once for all its rows).
+struct AmxScratch {
+  std::vector<uint32_t> keys;    // K^T: [16-key block][head_dim / 32][16 dim pairs][16 keys], bf16 pairs
+  std::vector<uint16_t> values;  // V: [32-key block][head_dim / 16][16 key pairs][16 dims][2 keys]
+  std::vector<uint16_t> queries; // [16][head_dim] bf16
+  std::vector<float> scores;     // [16][padded keys]
+  std::vector<uint16_t> weights; // softmax numerators, bf16 [16][padded keys]
+};
+
+// r[i][j] -> r[j][i] for a 16 x 16 block of 32-bit values.
+__attribute__((target("avx512f"))) static void transpose16x16(__m512i* r) {
+  __m512i t[16], u[16];
+  for (int i = 0; i < 16; i += 2) {  // per 128-bit lane: pairs of rows interleaved
+    t[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]);
+    t[i + 1] = _mm512_unpackhi_epi32(r[i], r[i + 1]);
+  }
+  for (int i = 0; i < 16; i += 4) {  // u[i + c], lane L: rows i..i+3 at column 4L + c
+    u[i] = _mm512_unpacklo_epi64(t[i], t[i + 2]);
+    u[i + 1] = _mm512_unpackhi_epi64(t[i], t[i + 2]);
+    u[i + 2] = _mm512_unpacklo_epi64(t[i + 1], t[i + 3]);
+    u[i + 3] = _mm512_unpackhi_epi64(t[i + 1], t[i + 3]);
+  }
+  for (int c = 0; c < 4; ++c) {  // column 4L + c gathers lane L of u[c], u[4 + c], u[8 + c], u[12 + c]
+    const __m512i even_a = _mm512_shuffle_i32x4(u[c], u[4 + c], 0x88), odd_a = _mm512_shuffle_i32x4(u[c], u[4 + c], 0xdd);
+    const __m512i even_b = _mm512_shuffle_i32x4(u[8 + c], u[12 + c], 0x88),
+                  odd_b = _mm512_shuffle_i32x4(u[8 + c], u[12 + c], 0xdd);
+    r[c] = _mm512_shuffle_i32x4(even_a, even_b, 0x88);
+    r[8 + c] = _mm512_shuffle_i32x4(even_a, even_b, 0xdd);
+    r[4 + c] = _mm512_shuffle_i32x4(odd_a, odd_b, 0x88);
+    r[12 + c] = _mm512_shuffle_i32x4(odd_a, odd_b, 0xdd);
+  }
+}
+
+// Keys [0, length) of (slot, kv) into the tile layouts; keys up to `padded` (a multiple of 32) are zeros.
+__attribute__((target("avx512f,avx512bw"))) static void pack_keys_values(const CacheView& cache, int64_t slot,
+                                                                         int64_t kv, int64_t length,
+                                                                         int64_t padded, AmxScratch& s) {
+  const int64_t D = cache.head_dim, dblocks = D / 16;
+  s.keys.resize(padded * D / 2);
+  s.values.resize(padded * D);
+  for (int64_t block = 0; block < padded; block += 16) {
+    uint32_t* tile = s.keys.data() + block * D / 2;
+    for (int64_t half = 0; half < D / 32; ++half) {  // 16 keys x 16 dim pairs -> 16 dim pairs x 16 keys
+      __m512i rows[16];
+      for (int64_t i = 0; i < 16; ++i)
+        rows[i] = block + i < length ? _mm512_loadu_si512(cache.key(slot, kv, block + i) + 32 * half)
+                                     : _mm512_setzero_si512();
+      transpose16x16(rows);
+      for (int64_t p = 0; p < 16; ++p) _mm512_storeu_si512(tile + (half * 16 + p) * 16, rows[p]);
+    }
+  }
+  // value rows 2p and 2p + 1 interleaved: one 64-byte row of a B tile holds both keys' values of 16 dims
+  const __m512i low = _mm512_set_epi16(47, 15, 46, 14, 45, 13, 44, 12, 43, 11, 42, 10, 41, 9, 40, 8, 39, 7, 38, 6, 37,
+                                       5, 36, 4, 35, 3, 34, 2, 33, 1, 32, 0);
+  const __m512i high = _mm512_add_epi16(low, _mm512_set1_epi16(16));
+  for (int64_t block = 0; block < padded; block += 32)
+    for (int64_t pair = 0; pair < 16; ++pair) {
+      const int64_t key = block + 2 * pair;
+      for (int64_t chunk = 0; chunk < D; chunk += 32) {  // 32 dims of both keys -> rows of dim blocks c, c + 1
+        const __m512i a = key < length ? _mm512_loadu_si512(cache.value(slot, kv, key) + chunk) : _mm512_setzero_si512();
+        const __m512i b = key + 1 < length ? _mm512_loadu_si512(cache.value(slot, kv, key + 1) + chunk)
+                                           : _mm512_setzero_si512();
+        uint16_t* out = s.values.data() + (block / 32) * dblocks * 512 + (chunk / 16) * 512 + pair * 32;
+        _mm512_storeu_si512(out, _mm512_permutex2var_epi16(a, low, b));
+        _mm512_storeu_si512(out + 512, _mm512_permutex2var_epi16(a, high, b));
+      }
+    }
+}
+
+// Up to 16 query vectors (vector v: query q[v], length lengths[v]) over the packed keys and values.
+__attribute__((target("amx-tile,amx-bf16,avx512f,avx512bw,avx512vl,avx512bf16"))) static void attend_tile_amx(
+    const float* const* q, float* const* out, const int64_t* lengths, int64_t count, int64_t D, int64_t padded,
+    float scale, AmxScratch& s) {
+  const int64_t halves = D / 32, dblocks = D / 16;
+  // rows past `count` stay as they are: a tile row only meets its own row of the products, never read here
+  s.queries.resize(16 * D);
+  for (int64_t v = 0; v < count; ++v)
+    for (int64_t d = 0; d < D; d += 16)
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(&s.queries[v * D + d]),
+                          (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(q[v] + d)));
+  // scores: tile 0 = sum over halves of queries (tiles 1..4) x K^T (tiles 5, 6)
+  s.scores.resize(16 * padded);
+  for (int64_t h = 0; h < halves; ++h) {
+    switch (h) {
+      case 0: _tile_loadd(1, s.queries.data(), D * 2); break;
+      case 1: _tile_loadd(2, s.queries.data() + 32, D * 2); break;
+      case 2: _tile_loadd(3, s.queries.data() + 64, D * 2); break;
+      default: _tile_loadd(4, s.queries.data() + 96, D * 2); break;
+    }
+  }
+  for (int64_t block = 0; block < padded; block += 16) {
+    const uint32_t* kt = s.keys.data() + block * D / 2;
+    _tile_zero(0);
+    _tile_loadd(5, kt, 64);
+    _tile_dpbf16ps(0, 1, 5);
+    if (halves > 1) {
+      _tile_loadd(6, kt + 256, 64);
+      _tile_dpbf16ps(0, 2, 6);
+    }
+    if (halves > 2) {
+      _tile_loadd(5, kt + 512, 64);
+      _tile_dpbf16ps(0, 3, 5);
+      _tile_loadd(6, kt + 768, 64);
+      _tile_dpbf16ps(0, 4, 6);
+    }
+    _tile_stored(0, s.scores.data() + block, padded * 4);
+  }
+  // softmax numerators per vector over its own keys, rounded to bf16; zero past its length
+  s.weights.resize(16 * padded);
+  float inverse_sum[16];
+  const __m512 scale_v = _mm512_set1_ps(scale);
+  for (int64_t v = 0; v < count; ++v) {
+    float* row = s.scores.data() + v * padded;
+    const int64_t length = lengths[v];
+    __m512 top = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+    for (int64_t key = 0; key < length; key += 16) {
+      const __mmask16 valid = (__mmask16)(length - key >= 16 ? 0xffff : (1u << (length - key)) - 1);
+      const __m512 x = _mm512_mul_ps(_mm512_maskz_loadu_ps(valid, row + key), scale_v);
+      _mm512_storeu_ps(row + key, x);
+      top = _mm512_mask_max_ps(top, valid, top, x);
+    }
+    const v16f top_v = v16_splat(_mm512_reduce_max_ps(top));
+    __m512 total = _mm512_setzero_ps();
+    for (int64_t key = 0; key < length; key += 16) {
+      const __mmask16 valid = (__mmask16)(length - key >= 16 ? 0xffff : (1u << (length - key)) - 1);
+      v16f x;
+      std::memcpy(&x, row + key, sizeof(x));
+      const v16f e = vec_exp(x - top_v);
+      __m512 weight;
+      std::memcpy(&weight, &e, sizeof(e));
+      weight = _mm512_maskz_mov_ps(valid, weight);
+      total = _mm512_add_ps(total, weight);
+      _mm256_mask_storeu_epi16(&s.weights[v * padded + key], valid, (__m256i)_mm512_cvtneps_pbh(weight));
+    }
+    std::memset(&s.weights[v * padded + length], 0, (padded - length) * 2);  // weights past its length: 0
+    v16f t;
+    std::memcpy(&t, &total, sizeof(t));
+    inverse_sum[v] = 1.0f / v16_sum(t);
+  }
+  // outputs: tiles 0-3 = weights (tile 4) x V (tiles 5, 6), four 16-dim blocks at a time
+  alignas(64) float result[4][256];
+  for (int64_t d0 = 0; d0 < dblocks; d0 += 4) {
+    const int64_t nd = std::min<int64_t>(4, dblocks - d0);
+    _tile_zero(0);
+    _tile_zero(1);
+    _tile_zero(2);
+    _tile_zero(3);
+    for (int64_t block = 0; block < padded; block += 32) {
+      const uint16_t* vt = s.values.data() + (block / 32) * dblocks * 512 + d0 * 512;
+      _tile_loadd(4, s.weights.data() + block, padded * 2);
+      _tile_loadd(5, vt, 64);
+      _tile_dpbf16ps(0, 4, 5);
+      if (nd > 1) {
+        _tile_loadd(6, vt + 512, 64);
+        _tile_dpbf16ps(1, 4, 6);
+      }
+      if (nd > 2) {
+        _tile_loadd(5, vt + 1024, 64);
+        _tile_dpbf16ps(2, 4, 5);
+      }
+      if (nd > 3) {
+        _tile_loadd(6, vt + 1536, 64);
+        _tile_dpbf16ps(3, 4, 6);
+      }
+    }
+    _tile_stored(0, result[0], 64);
+    _tile_stored(1, result[1], 64);
+    _tile_stored(2, result[2], 64);
+    _tile_stored(3, result[3], 64);
+    for (int64_t v = 0; v < count; ++v)
+      for (int64_t b = 0; b < nd; ++b)
+        _mm512_storeu_ps(out[v] + (d0 + b) * 16,
+                         _mm512_mul_ps(_mm512_loadu_ps(result[b] + v * 16), _mm512_set1_ps(inverse_sum[v])));
+  }
+}
+
+// One task on amx: its rows' query vectors (row-major over (row, head of the group)) in tiles of 16.
+static void attend_task_amx(const float* q, int64_t q_stride, float* out, int64_t width, int64_t first, int64_t last,
+                            int64_t kv, int64_t group, const int64_t* slots, const int64_t* positions,
+                            const CacheView& cache, float scale, AmxScratch& s) {
+  const int64_t D = cache.head_dim;
+  int64_t longest = 0;
+  for (int64_t r = first; r < last; ++r) longest = std::max(longest, positions[r] + 1);
+  const int64_t padded = (longest + 31) / 32 * 32;
+  pack_keys_values(cache, slots[first], kv, longest, padded, s);
+  const float* queries[16];
+  float* outputs[16];
+  int64_t lengths[16], count = 0;
+  auto flush = [&] {
+    if (count) attend_tile_amx(queries, outputs, lengths, count, D, padded, scale, s);
+    count = 0;
+  };
+  for (int64_t r = first; r < last; ++r)
+    for (int64_t g = 0; g < group; ++g) {
+      const int64_t head = kv * group + g;
+      queries[count] = q + r * q_stride + head * D;
+      outputs[count] = out + r * width + head * D;
+      lengths[count++] = positions[r] + 1;
+      if (count == 16) flush();
+    }
+  flush();
+}
+
 // ---- portable: 8-lane vectors, one key at a time ----------------------------------------------------------
 
 __attribute__((target_clones("avx2", "default"), flatten)) static void attend_group8(
@@ -169,6 +380,10 @@ __attribute__((target_clones("avx2", "default"), flatten)) static void attend_gr
     }
 }
 
+static bool use_amx(Isa isa, int64_t head_dim) {
+  return isa == Isa::amx && (head_dim == 32 || head_dim == 64 || head_dim == 128);
+}
+
 static bool use_avx512(Isa isa, int64_t head_dim, int64_t group) {
   const bool dims = head_dim == 16 || head_dim == 32 || head_dim == 64 || head_dim == 128 || head_dim == 256;
   return (isa == Isa::avx512bf16 || isa == Isa::amx) && dims && group <= 64;
@@ -180,7 +395,8 @@ struct AttentionTask {
   int64_t first, last, kv;
 };
 
-static std::vector<AttentionTask> plan_tasks(int64_t rows, const int64_t* slots, int64_t kv_heads) {
+static std::vector<AttentionTask> plan_tasks(int64_t rows, const int64_t* slots, int64_t kv_heads,
+                                             int64_t min_rows) {
   std::vector<std::pair<int64_t, int64_t>> runs;  // [first, last) rows of one slot
   for (int64_t r = 0; r < rows; ++r) {
     if (runs.empty() || slots[r] != slots[runs.back().first]) runs.emplace_back(r, r);
@@ -192,7 +408,7 @@ static std::vector<AttentionTask> plan_tasks(int64_t rows, const int64_t* slots,
   const int64_t splits = std::max<int64_t>(1, (wanted + base - 1) / base);
   std::vector<AttentionTask> tasks;
   for (const auto& [first, last] : runs) {
-    const int64_t chunk = std::max<int64_t>(1, (last - first + splits - 1) / splits);
+    const int64_t chunk = std::max<int64_t>(min_rows, (last - first + splits - 1) / splits);
     for (int64_t kv = 0; kv < kv_heads; ++kv)
       for (int64_t r = first; r < last; r += chunk) tasks.push_back({r, std::min(last, r + chunk), kv});
   }
@@ -202,12 +418,20 @@ static std::vector<AttentionTask> plan_tasks(int64_t rows, const int64_t* slots,
 void decode_attention(Isa isa, const float* q, int64_t q_stride, float* out, int64_t rows, int64_t heads,
                       const int64_t* slots, const int64_t* positions, const CacheView& cache, float scale) {
   const int64_t group = heads / cache.kv_heads, dim = cache.head_dim, width = heads * dim;
-  const bool wide = use_avx512(isa, dim, group);
-  const std::vector<AttentionTask> tasks = plan_tasks(rows, slots, cache.kv_heads);
+  const bool tiles = use_amx(isa, dim), wide = use_avx512(isa, dim, group);
+  // amx packs a task's keys and values once for all its rows: split a request's rows only when there are many
+  const std::vector<AttentionTask> tasks = plan_tasks(rows, slots, cache.kv_heads, tiles ? 64 : 1);
   at::parallel_for(0, int64_t(tasks.size()), 1, [&](int64_t begin, int64_t end) {
     std::vector<float> scores;
+    AmxScratch scratch;
+    if (tiles) configure_bf16_tiles();
     for (int64_t t = begin; t < end; ++t) {
       const int64_t kv = tasks[t].kv, head0 = kv * group * dim;
+      if (tiles) {
+        attend_task_amx(q, q_stride, out, width, tasks[t].first, tasks[t].last, kv, group, slots, positions, cache,
+                        scale, scratch);
+        continue;
+      }
       for (int64_t r = tasks[t].first; r < tasks[t].last; ++r) {
         const int64_t length = positions[r] + 1;
         const float* qr = q + r * q_stride + head0;

@@ -7,6 +7,7 @@
 
 #include <chrono>
 #include <map>
+#include <mutex>
 #include <vector>
 
 #include "attention.h"
@@ -145,6 +146,7 @@ class Decoder {
                                                            const at::Tensor& positions, at::Tensor& keys,
                                                            at::Tensor& values, const std::vector<int64_t>& tap_layers,
                                                            const std::vector<int64_t>& logit_rows) {
+    const std::lock_guard<std::mutex> one_pass_at_a_time(busy_);  // the scratch buffers are the decoder's
     PhaseClock clock;
     const int64_t rows = tokens.size(0), layers = int64_t(layers_.size());
     TORCH_CHECK(lm_head_.n > 0, "set_head was not called");
@@ -169,8 +171,10 @@ class Decoder {
     for (int64_t r : logit_rows) TORCH_CHECK(0 <= r && r < rows, "logit row ", r, " is not a row of the pass");
     const int64_t H = hidden_, D = head_dim_, q_size = heads_ * D, kv_size = kv_heads_ * D;
     const int64_t qkv_width = q_size + 2 * kv_size, I = intermediate_;
-    std::vector<float> h(rows * H), xn(rows * H), qkv(rows * qkv_width), attn(rows * q_size), tmp(rows * H),
-        gu(rows * 2 * I), act(rows * I);
+    Scratch& b = scratch_;
+    b.h.resize(rows * H), b.xn.resize(rows * H), b.qkv.resize(rows * qkv_width), b.attn.resize(rows * q_size);
+    b.tmp.resize(rows * H), b.gu.resize(rows * 2 * I), b.act.resize(rows * I);
+    std::vector<float>&h = b.h, &xn = b.xn, &qkv = b.qkv, &attn = b.attn, &tmp = b.tmp, &gu = b.gu, &act = b.act;
     const auto* embed = reinterpret_cast<const uint16_t*>(embed_.data_ptr());
     for (int64_t r = 0; r < rows; ++r)
       for (int64_t i = 0; i < H; ++i) h[r * H + i] = bf16_to_float(embed[tok_p[r] * H + i]);
@@ -246,7 +250,7 @@ class Decoder {
     const int64_t out_rows = int64_t(logit_rows.size());
     std::vector<float> head_in(out_rows * H);
     for (int64_t i = 0; i < out_rows; ++i) std::memcpy(&head_in[i * H], &xn[logit_rows[i] * H], H * sizeof(float));
-    at::Tensor out = at::empty({out_rows, lm_head_.n}, at::kFloat);
+    at::Tensor out = logits_buffer(out_rows);
     clock.lap(seconds_, kOther);
     linear(lm_head_, head_in.data(), out_rows, H, out.data_ptr<float>(), lm_head_.n);
     clock.lap(seconds_, kHead);
@@ -266,6 +270,19 @@ class Decoder {
   std::string isa() const { return isa_name(isa_); }
 
  private:
+  // Buffers of a pass, kept between passes: freshly allocated ones cost a page fault per 4 KiB, as much as
+  // the head's weight reads for a 64-row verify's logits.
+  struct Scratch {
+    std::vector<float> h, xn, qkv, attn, tmp, gu, act;
+  };
+
+  // The logits tensor of the last pass is reused once the caller holds no tensor on its storage.
+  at::Tensor logits_buffer(int64_t rows) {
+    const bool free = logits_.defined() && logits_.use_count() == 1 && logits_.storage().use_count() == 1;
+    if (!free || logits_.size(0) < rows) logits_ = at::empty({std::max<int64_t>(rows, 1), lm_head_.n}, at::kFloat);
+    return logits_.narrow(0, 0, rows);
+  }
+
   int64_t hidden_, heads_, kv_heads_, head_dim_, intermediate_;
   float eps_;
   Isa isa_;
@@ -274,6 +291,9 @@ class Decoder {
   at::Tensor embed_, rope_;
   std::vector<float> final_norm_;
   PackedLinear lm_head_;
+  std::mutex busy_;
+  Scratch scratch_;
+  at::Tensor logits_;
 };
 
 }  // namespace specstand

@@ -166,49 +166,117 @@ static void linear_scalar(const PackedLinear& w, const float* x, int64_t m, int6
 }
 
 // ---- amx: 16 rows x 16 columns per accumulator tile, 32 k per tdpbf16ps -----------------------------------
-__attribute__((target("amx-tile,amx-bf16,avx512f"))) static void configure_tiles() {
-  TORCH_CHECK(amx_permitted(), "Linux did not grant this process the AMX tile registers");
-  AmxTileConfig config;
-  for (int t = 0; t < 8; ++t) {  // C tiles 0-3: 16 x 16 fp32; A tile 4: 16 rows x 32 bf16; B tiles 5-7: 16 k pairs
-    config.rows[t] = 16;
-    config.colsb[t] = 64;
-  }
-  __asm__ volatile("" : : "r"(&config) : "memory");  // gcc 12 drops the stores above: ldtilecfg reads them
-  _tile_loadconfig(&config);
-}
 
-// One 16-row block x NB strips: NB accumulator tiles, one activation tile, weight tiles streamed.
-template <int NB>
+// MB blocks of 16 rows x NB strips of 16 columns: MB * NB <= 4 accumulator tiles (0-3), each 32-k step loads
+// MB activation tiles (4, 5; a third and fourth block reuse them) and NB weight tiles (6, 7; a third and fourth
+// strip reuse them), so a weight tile loaded once serves MB blocks and an activation tile NB strips.
+constexpr int AHEAD = 6;
+template <int MB, int NB>
 __attribute__((target("amx-tile,amx-bf16,avx512f"))) static void tile_amx(const PackedLinear& w, int64_t s0,
                                                                           const uint16_t* xb, int64_t xs,
-                                                                          float* out /* [NB][16][16] */) {
+                                                                          float* out /* [MB][NB][16][16] */) {
+  static_assert(MB * NB <= 4, "four accumulator tiles");
   _tile_zero(0);
-  if (NB > 1) _tile_zero(1);
-  if (NB > 2) _tile_zero(2);
-  if (NB > 3) _tile_zero(3);
+  if (MB * NB > 1) _tile_zero(1);
+  if (MB * NB > 2) _tile_zero(2);
+  if (MB * NB > 3) _tile_zero(3);
   const uint16_t* strips[NB];
   for (int b = 0; b < NB; ++b) strips[b] = w.strip(s0 + b);
+  const int64_t block_stride = 16 * xs;
   for (int64_t p = 0; p < w.k_pad / 2; p += 16) {
-    _tile_loadd(4, xb + 2 * p, xs * 2);
-    _tile_loadd(5, strips[0] + p * 32, 64);
-    _tile_dpbf16ps(0, 4, 5);
-    if (NB > 1) {
-      _tile_loadd(6, strips[1] + p * 32, 64);
-      _tile_dpbf16ps(1, 4, 6);
-    }
-    if (NB > 2) {
-      _tile_loadd(7, strips[2] + p * 32, 64);
-      _tile_dpbf16ps(2, 4, 7);
-    }
-    if (NB > 3) {
-      _tile_loadd(5, strips[3] + p * 32, 64);
-      _tile_dpbf16ps(3, 4, 5);
+    const uint16_t* xp = xb + 2 * p;
+    if (p + 16 * AHEAD < w.k_pad / 2)  // weights a few k steps ahead into L2: DRAM latency
+      for (int b = 0; b < NB; ++b)
+        for (int line = 0; line < 16; ++line)
+          _mm_prefetch(reinterpret_cast<const char*>(strips[b] + (p + 16 * AHEAD) * 32 + line * 32), _MM_HINT_T1);
+    if (p + 16 < w.k_pad / 2)  // the next step's tiles into L1: a tile load waits on every line it misses
+      for (int b = 0; b < NB; ++b)
+        for (int line = 0; line < 16; ++line)
+          _mm_prefetch(reinterpret_cast<const char*>(strips[b] + (p + 16) * 32 + line * 32), _MM_HINT_T0);
+    if constexpr (MB == 1) {
+      _tile_loadd(4, xp, xs * 2);
+      _tile_loadd(6, strips[0] + p * 32, 64);
+      _tile_dpbf16ps(0, 4, 6);
+      if constexpr (NB > 1) {
+        _tile_loadd(7, strips[1] + p * 32, 64);
+        _tile_dpbf16ps(1, 4, 7);
+      }
+      if constexpr (NB > 2) {
+        _tile_loadd(6, strips[2] + p * 32, 64);
+        _tile_dpbf16ps(2, 4, 6);
+      }
+      if constexpr (NB > 3) {
+        _tile_loadd(7, strips[3] + p * 32, 64);
+        _tile_dpbf16ps(3, 4, 7);
+      }
+    } else if constexpr (MB == 2) {
+      _tile_loadd(4, xp, xs * 2);
+      _tile_loadd(5, xp + block_stride, xs * 2);
+      _tile_loadd(6, strips[0] + p * 32, 64);
+      _tile_dpbf16ps(0, 4, 6);
+      _tile_dpbf16ps(1, 5, 6);
+      if constexpr (NB > 1) {
+        _tile_loadd(7, strips[1] + p * 32, 64);
+        _tile_dpbf16ps(2, 4, 7);
+        _tile_dpbf16ps(3, 5, 7);
+      }
+    } else {  // MB 3 or 4, one strip
+      _tile_loadd(6, strips[0] + p * 32, 64);
+      _tile_loadd(4, xp, xs * 2);
+      _tile_dpbf16ps(0, 4, 6);
+      _tile_loadd(5, xp + block_stride, xs * 2);
+      _tile_dpbf16ps(1, 5, 6);
+      _tile_loadd(7, xp + 2 * block_stride, xs * 2);
+      _tile_dpbf16ps(2, 7, 6);
+      if constexpr (MB > 3) {
+        _tile_loadd(4, xp + 3 * block_stride, xs * 2);
+        _tile_dpbf16ps(3, 4, 6);
+      }
     }
   }
+  // accumulator of (block i, strip b): tile i + MB * b for MB == 2, i for MB > 2, b for MB == 1
   _tile_stored(0, out, 64);
-  if (NB > 1) _tile_stored(1, out + 256, 64);
-  if (NB > 2) _tile_stored(2, out + 512, 64);
-  if (NB > 3) _tile_stored(3, out + 768, 64);
+  if (MB * NB > 1) _tile_stored(1, out + 256, 64);
+  if (MB * NB > 2) _tile_stored(2, out + 512, 64);
+  if (MB * NB > 3) _tile_stored(3, out + 768, 64);
+}
+
+// Copies accumulator tile t (block i, strip b of a tile_amx<MB, NB> call) into y.
+static void store_amx_tile(const PackedLinear& w, const float* tile, int64_t row0, int64_t m, int64_t col,
+                           float* y, int64_t y_stride) {
+  const int64_t rows = std::min<int64_t>(16, m - row0), valid = std::min<int64_t>(16, w.n - col);
+  for (int64_t r = 0; r < rows; ++r) std::memcpy(y + (row0 + r) * y_stride + col, tile + r * 16, valid * sizeof(float));
+}
+
+template <int MB, int NB>
+static void run_amx(const PackedLinear& w, const uint16_t* xb, int64_t block0, int64_t m, int64_t s0, float* out,
+                    float* y, int64_t y_stride) {
+  tile_amx<MB, NB>(w, s0, xb + block0 * 16 * w.k_pad, w.k_pad, out);
+  for (int i = 0; i < MB; ++i)
+    for (int b = 0; b < NB; ++b) {
+      const int t = MB == 1 ? b : MB == 2 ? i + 2 * b : i;
+      store_amx_tile(w, out + t * 256, (block0 + i) * 16, m, (s0 + b) * 16, y, y_stride);
+    }
+}
+
+// One group of four strips (64 columns) for all row blocks: four blocks at a time strip by strip, then two
+// blocks on strip pairs, then one block on all four. Any shape gives the same arithmetic per element.
+static void strip_group_amx(const PackedLinear& w, const uint16_t* xb, int64_t m, int64_t s0, int64_t nb, float* out,
+                            float* y, int64_t y_stride) {
+  const int64_t blocks = (m + 15) / 16, pairs_end = blocks / 2 * 2;
+  int64_t b = 0;
+  for (; b + 2 <= nb; b += 2)
+    for (int64_t block = 0; block < pairs_end; block += 2) run_amx<2, 2>(w, xb, block, m, s0 + b, out, y, y_stride);
+  if (b < nb)
+    for (int64_t block = 0; block < pairs_end; block += 2) run_amx<2, 1>(w, xb, block, m, s0 + b, out, y, y_stride);
+  if (pairs_end < blocks) {
+    switch (nb) {
+      case 4: run_amx<1, 4>(w, xb, pairs_end, m, s0, out, y, y_stride); break;
+      case 3: run_amx<1, 3>(w, xb, pairs_end, m, s0, out, y, y_stride); break;
+      case 2: run_amx<1, 2>(w, xb, pairs_end, m, s0, out, y, y_stride); break;
+      default: run_amx<1, 1>(w, xb, pairs_end, m, s0, out, y, y_stride); break;
+    }
+  }
 }
 
 static void linear_amx(const PackedLinear& w, const float* x, int64_t m, int64_t x_stride, float* y,
@@ -219,26 +287,10 @@ static void linear_amx(const PackedLinear& w, const float* x, int64_t m, int64_t
   constexpr int NB = 4;
   const int64_t strips = w.n_pad / 16, groups = (strips + NB - 1) / NB;
   at::parallel_for(0, groups, 1, [&](int64_t g0, int64_t g1) {
-    configure_tiles();  // tile state is per thread
-    alignas(64) float out[NB * 256];
-    for (int64_t g = g0; g < g1; ++g) {
-      const int64_t s0 = g * NB, nb = std::min<int64_t>(NB, strips - s0);
-      for (int64_t block = 0; block < blocks; ++block) {
-        const uint16_t* xr = xb.data() + block * 16 * w.k_pad;
-        switch (nb) {
-          case 4: tile_amx<4>(w, s0, xr, w.k_pad, out); break;
-          case 3: tile_amx<3>(w, s0, xr, w.k_pad, out); break;
-          case 2: tile_amx<2>(w, s0, xr, w.k_pad, out); break;
-          default: tile_amx<1>(w, s0, xr, w.k_pad, out); break;
-        }
-        const int64_t rows = std::min<int64_t>(16, m - block * 16);
-        for (int64_t b = 0; b < nb; ++b) {
-          const int64_t col = (s0 + b) * 16, valid = std::min<int64_t>(16, w.n - col);
-          for (int64_t r = 0; r < rows; ++r)
-            std::memcpy(y + (block * 16 + r) * y_stride + col, out + b * 256 + r * 16, valid * sizeof(float));
-        }
-      }
-    }
+    configure_bf16_tiles();  // tile state is per thread
+    alignas(64) float out[4 * 256];
+    for (int64_t g = g0; g < g1; ++g)
+      strip_group_amx(w, xb.data(), m, g * NB, std::min<int64_t>(NB, strips - g * NB), out, y, y_stride);
   });
 }
 
@@ -303,7 +355,7 @@ static double peak_scalar(int64_t iterations) {
 }
 
 __attribute__((target("amx-tile,amx-bf16,avx512f"))) static double peak_amx(int64_t iterations) {
-  configure_tiles();
+  configure_bf16_tiles();
   zero_tiles();
   iterations = std::max<int64_t>(1, iterations / 16);
   const Stopwatch clock;

@@ -38,6 +38,19 @@ struct alignas(64) AmxTileConfig {
   uint8_t rows[16] = {};
 };
 
+// Every tile 16 rows x 64 bytes: bf16 operands (16 x 32) and fp32 accumulators (16 x 16), for the bf16 linear
+// (accumulators 0-3, activations 4-5, weights 6-7) and the AMX attention. Tile state is per thread.
+__attribute__((target("amx-tile,amx-bf16,avx512f"))) inline void configure_bf16_tiles() {
+  TORCH_CHECK(amx_permitted(), "Linux did not grant this process the AMX tile registers");
+  AmxTileConfig config;
+  for (int t = 0; t < 8; ++t) {
+    config.rows[t] = 16;
+    config.colsb[t] = 64;
+  }
+  __asm__ volatile("" : : "r"(&config) : "memory");  // gcc 12 drops the stores above: ldtilecfg reads them
+  _tile_loadconfig(&config);
+}
+
 // Tile shapes: rows go in tiles of Max (avx512: 6 rows x 4 strips = 24 accumulators of 32 registers; avx2:
 // 3 rows x 2 strips x 2 halves = 12 of 16), the remainder in one smaller tile. Few rows thus take several
 // strips at once, enough independent accumulators to hide the instruction latency.

@@ -170,6 +170,16 @@ __attribute__((target("avx512f"))) static void transpose16x16(__m512i* r) {
   }
 }
 
+// Keys and values [first, last) of (slot, kv) towards L2.
+static void prefetch_keys_values(const CacheView& cache, int64_t slot, int64_t kv, int64_t first, int64_t last) {
+  const int64_t bytes = cache.head_dim * 2;
+  for (int64_t key = first; key < last; ++key)
+    for (int64_t byte = 0; byte < bytes; byte += 64) {
+      _mm_prefetch(reinterpret_cast<const char*>(cache.key(slot, kv, key)) + byte, _MM_HINT_T1);
+      _mm_prefetch(reinterpret_cast<const char*>(cache.value(slot, kv, key)) + byte, _MM_HINT_T1);
+    }
+}
+
 // Keys [0, length) of (slot, kv) into the tile layouts; keys up to `padded` (a multiple of 32) are zeros.
 __attribute__((target("avx512f,avx512bw"))) static void pack_keys_values(const CacheView& cache, int64_t slot,
                                                                          int64_t kv, int64_t length,
@@ -177,7 +187,11 @@ __attribute__((target("avx512f,avx512bw"))) static void pack_keys_values(const C
   const int64_t D = cache.head_dim, dblocks = D / 16;
   s.keys.resize(padded * D / 2);
   s.values.resize(padded * D);
+  // a task reads a few KiB per key block, too little for the hardware prefetchers to ramp up: ask ahead
+  constexpr int64_t ahead = 128;
+  prefetch_keys_values(cache, slot, kv, 0, std::min(length, ahead));
   for (int64_t block = 0; block < padded; block += 16) {
+    prefetch_keys_values(cache, slot, kv, block + ahead, std::min(length, block + ahead + 16));
     uint32_t* tile = s.keys.data() + block * D / 2;
     for (int64_t half = 0; half < D / 32; ++half) {  // 16 keys x 16 dim pairs -> 16 dim pairs x 16 keys
       __m512i rows[16];

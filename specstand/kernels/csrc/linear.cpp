@@ -241,11 +241,13 @@ __attribute__((target("amx-tile,amx-bf16,avx512f"))) static void tile_amx(const 
   if (MB * NB > 3) _tile_stored(3, out + 768, 64);
 }
 
-// Copies accumulator tile t (block i, strip b of a tile_amx<MB, NB> call) into y.
-static void store_amx_tile(const PackedLinear& w, const float* tile, int64_t row0, int64_t m, int64_t col,
-                           float* y, int64_t y_stride) {
+// Copies an accumulator tile (16 x 16 fp32, rows from row0, columns from col) into y.
+__attribute__((target("avx512f"))) static void store_amx_tile(const PackedLinear& w, const float* tile, int64_t row0,
+                                                              int64_t m, int64_t col, float* y, int64_t y_stride) {
   const int64_t rows = std::min<int64_t>(16, m - row0), valid = std::min<int64_t>(16, w.n - col);
-  for (int64_t r = 0; r < rows; ++r) std::memcpy(y + (row0 + r) * y_stride + col, tile + r * 16, valid * sizeof(float));
+  const __mmask16 columns = (__mmask16)(valid == 16 ? 0xffff : (1u << valid) - 1);
+  for (int64_t r = 0; r < rows; ++r)
+    _mm512_mask_storeu_ps(y + (row0 + r) * y_stride + col, columns, _mm512_load_ps(tile + r * 16));
 }
 
 template <int MB, int NB>

@@ -220,26 +220,17 @@ __attribute__((target("avx512f,avx512bw"))) static void pack_keys_values(const C
     }
 }
 
-// Up to 16 query vectors (vector v: query q[v], length lengths[v]) over the packed keys and values.
-__attribute__((target("amx-tile,amx-bf16,avx512f,avx512bw,avx512vl,avx512bf16"))) static void attend_tile_amx(
-    const float* const* q, float* const* out, const int64_t* lengths, int64_t count, int64_t D, int64_t padded,
-    float scale, AmxScratch& s) {
-  const int64_t halves = D / 32, dblocks = D / 16;
-  // rows past `count` stay as they are: a tile row only meets its own row of the products, never read here
-  s.queries.resize(16 * D);
-  for (int64_t v = 0; v < count; ++v)
-    for (int64_t d = 0; d < D; d += 16)
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(&s.queries[v * D + d]),
-                          (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(q[v] + d)));
-  // scores: tile 0 = sum over halves of queries (tiles 1..4) x K^T (tiles 5, 6)
+// Scores S = Q K^T of the 16 query vectors in s.queries against the packed keys, into s.scores: tile 0
+// accumulates the head width's halves (queries in tiles 1-4, keys in 5 and 6).
+__attribute__((target("amx-tile,amx-bf16,avx512f"))) static void scores_amx(int64_t D, int64_t padded,
+                                                                            AmxScratch& s) {
+  const int64_t halves = D / 32;
   s.scores.resize(16 * padded);
-  for (int64_t h = 0; h < halves; ++h) {
-    switch (h) {
-      case 0: _tile_loadd(1, s.queries.data(), D * 2); break;
-      case 1: _tile_loadd(2, s.queries.data() + 32, D * 2); break;
-      case 2: _tile_loadd(3, s.queries.data() + 64, D * 2); break;
-      default: _tile_loadd(4, s.queries.data() + 96, D * 2); break;
-    }
+  _tile_loadd(1, s.queries.data(), D * 2);
+  if (halves > 1) _tile_loadd(2, s.queries.data() + 32, D * 2);
+  if (halves > 2) {
+    _tile_loadd(3, s.queries.data() + 64, D * 2);
+    _tile_loadd(4, s.queries.data() + 96, D * 2);
   }
   for (int64_t block = 0; block < padded; block += 16) {
     const uint32_t* kt = s.keys.data() + block * D / 2;
@@ -258,9 +249,13 @@ __attribute__((target("amx-tile,amx-bf16,avx512f,avx512bw,avx512vl,avx512bf16"))
     }
     _tile_stored(0, s.scores.data() + block, padded * 4);
   }
-  // softmax numerators per vector over its own keys, rounded to bf16; zero past its length
+}
+
+// Per vector v < count, over its own keys: scores times `scale`, softmax numerators exp(x - max) rounded to
+// bf16 into s.weights (zero past its length), and 1 / their fp32 sum into inverse_sum[v].
+__attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16"))) static void softmax_numerators(
+    const int64_t* lengths, int64_t count, int64_t padded, float scale, AmxScratch& s, float* inverse_sum) {
   s.weights.resize(16 * padded);
-  float inverse_sum[16];
   const __m512 scale_v = _mm512_set1_ps(scale);
   for (int64_t v = 0; v < count; ++v) {
     float* row = s.scores.data() + v * padded;
@@ -285,12 +280,20 @@ __attribute__((target("amx-tile,amx-bf16,avx512f,avx512bw,avx512vl,avx512bf16"))
       total = _mm512_add_ps(total, weight);
       _mm256_mask_storeu_epi16(&s.weights[v * padded + key], valid, (__m256i)_mm512_cvtneps_pbh(weight));
     }
-    std::memset(&s.weights[v * padded + length], 0, (padded - length) * 2);  // weights past its length: 0
+    std::memset(&s.weights[v * padded + length], 0, (padded - length) * 2);
     v16f t;
     std::memcpy(&t, &total, sizeof(t));
     inverse_sum[v] = 1.0f / v16_sum(t);
   }
-  // outputs: tiles 0-3 = weights (tile 4) x V (tiles 5, 6), four 16-dim blocks at a time
+}
+
+// Outputs O = P V: tiles 0-3 accumulate four 16-dim blocks at a time (weights in tile 4, values in 5 and 6),
+// then each vector's row is scaled by its inverse sum into out[v].
+__attribute__((target("amx-tile,amx-bf16,avx512f"))) static void weigh_values_amx(float* const* out, int64_t count,
+                                                                                  int64_t D, int64_t padded,
+                                                                                  const float* inverse_sum,
+                                                                                  const AmxScratch& s) {
+  const int64_t dblocks = D / 16;
   alignas(64) float result[4][256];
   for (int64_t d0 = 0; d0 < dblocks; d0 += 4) {
     const int64_t nd = std::min<int64_t>(4, dblocks - d0);
@@ -325,6 +328,23 @@ __attribute__((target("amx-tile,amx-bf16,avx512f,avx512bw,avx512vl,avx512bf16"))
         _mm512_storeu_ps(out[v] + (d0 + b) * 16,
                          _mm512_mul_ps(_mm512_loadu_ps(result[b] + v * 16), _mm512_set1_ps(inverse_sum[v])));
   }
+}
+
+// Up to 16 query vectors (vector v: query q[v], length lengths[v]) over the packed keys and values. Rows of
+// s.queries past `count` keep whatever they held: a tile row only meets its own row of the products.
+__attribute__((target("avx512f,avx512bf16"))) static void attend_tile_amx(const float* const* q, float* const* out,
+                                                                         const int64_t* lengths, int64_t count,
+                                                                         int64_t D, int64_t padded, float scale,
+                                                                         AmxScratch& s) {
+  s.queries.resize(16 * D);
+  for (int64_t v = 0; v < count; ++v)
+    for (int64_t d = 0; d < D; d += 16)
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(&s.queries[v * D + d]),
+                          (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(q[v] + d)));
+  scores_amx(D, padded, s);
+  float inverse_sum[16];
+  softmax_numerators(lengths, count, padded, scale, s, inverse_sum);
+  weigh_values_amx(out, count, D, padded, inverse_sum, s);
 }
 
 // One task on amx: its rows' query vectors (row-major over (row, head of the group)) in tiles of 16.

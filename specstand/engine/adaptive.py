@@ -13,6 +13,7 @@ Cutting a draft never changes an answer: the target verifies whatever prefix is 
 
 from __future__ import annotations
 
+import math
 import time
 from collections import deque
 from collections.abc import Callable
@@ -66,13 +67,14 @@ class AcceptanceModel:
         self._since_fit += 1
         first = not self.fitted and (self._since_fit >= self.first_fit or len(self._labels) >= 8 * self.first_fit)
         if first or self._since_fit >= self.refit_every:
-            self._fit()
+            self.fit()
 
     @staticmethod
     def _design(confidence: np.ndarray, position: np.ndarray) -> np.ndarray:
         return np.stack([np.ones_like(confidence), confidence, position], axis=1)
 
-    def _fit(self) -> None:
+    def fit(self) -> None:
+        """Refit on the outcomes kept (also called by adaptive verification after a probe's outcomes)."""
         self._since_fit = 0
         data = np.asarray(self._features, dtype=np.float64)
         labels = np.asarray(self._labels, dtype=np.float64)
@@ -91,6 +93,9 @@ class AcceptanceModel:
             while loss(w - step) > current and np.abs(step).max() > 1e-6:
                 step /= 2
             w = w - step
+            # more confidence never means less acceptance, for any drafter's signal: a fit on a few outcomes
+            # could otherwise invert it (seen: suffix drafts paused for good after eight 1-token rejections)
+            w[1] = max(w[1], 0.0)
         self._weights = w
 
 
@@ -169,17 +174,23 @@ class AdaptiveVerifier:
     # a step's drafting time: the median of the latest ones (a drafter's first proposal for a request also
     # reads its prompt, and the first after a pause the rows it missed: those must not set the price)
     draft_times: deque[float] = field(default_factory=lambda: deque(maxlen=15))
-    max_pause: int = 16  # steps without drafting, at most, before drafting is tried again
+    max_pause: int = 16  # the doubling pause (1, 2, 4 ... steps without drafting) stops here
+    # a drafting step that plain decoding would have beaten is "a probe": pauses stretch until probes cost at
+    # most this share of the plain steps between them (a drafter as slow as two plain steps: 40 steps)
+    probe_share: float = 0.05
+    longest_pause: int = 256
     max_depth: int = 5  # K: the most draft tokens a request is asked for
     depth: int = field(init=False)  # how deep to draft next: one past the deepest share the last budget gave
     _pause: int = 0  # steps left without drafting
     _backoff: int = 0
     _probing: bool = False  # the first drafting step after a pause verifies a token of every draft
+    _probe_step: bool = False  # this step is such a probe: its outcomes refit the estimate at once
 
     def __post_init__(self) -> None:
         self.depth = self.max_depth
 
     def should_draft(self) -> bool:
+        self._probe_step = False
         if self._pause > 0:
             self._pause -= 1
             self._probing = self._pause == 0
@@ -206,7 +217,7 @@ class AdaptiveVerifier:
         counts = choose_budget(survival, self.pass_cost, self.draft_seconds, contexts)
         if self._probing:  # outcomes keep the estimates honest even while they advise against drafting
             counts = [max(n, min(1, len(d.tokens))) for n, d in zip(counts, drafts, strict=True)]
-            self._probing = False
+            self._probing, self._probe_step = False, True
         # a chain drafter's cost grows with its depth: draft no deeper than the budget went, plus one to
         # see whether the next position would pay
         self.depth = min(max(counts) + 1, self.max_depth)
@@ -215,9 +226,12 @@ class AdaptiveVerifier:
         drafted_keys = keys + sum(n * c for n, c in zip(counts, contexts, strict=True))
         drafted_cost = self.draft_seconds + self.pass_cost(requests + sum(counts), drafted_keys)
         drafted_rate = (requests + expected) / drafted_cost
-        if drafted_rate < requests / self.pass_cost(requests, keys):  # plain decoding would have been faster
+        plain_seconds = self.pass_cost(requests, keys)
+        if drafted_rate < requests / plain_seconds:  # plain decoding would have been faster
             self._backoff = min(max(2 * self._backoff, 1), self.max_pause)
-            self._pause = self._backoff
+            probe_seconds = self.draft_times[-1] if self.draft_times else 0.0  # this step's drafting
+            paid_for = math.ceil(probe_seconds / (self.probe_share * plain_seconds))
+            self._pause = min(max(self._backoff, paid_for), self.longest_pause)
         else:
             self._backoff = 0
         return [d.cut(n) for d, n in zip(drafts, counts, strict=True)]
@@ -225,6 +239,8 @@ class AdaptiveVerifier:
     def observe(self, draft: Draft, accepted: int) -> None:
         if draft.tokens:
             self.acceptance.observe(_confidence(draft), len(draft.tokens), accepted, draft.calibrated)
+            if self._probe_step and self.acceptance.fitted:  # probes are rare: waiting for 100 outcomes
+                self.acceptance.fit()  # would keep a stale estimate pausing for the rest of the calls
 
 
 def sigmoid(z: np.ndarray) -> np.ndarray:

@@ -135,6 +135,58 @@ def test_drafts_are_verified_whole_until_outcomes_can_price_them():
     assert not verifier.should_draft()  # and drafting pauses
 
 
+def test_more_confidence_never_lowers_the_estimate():
+    """A few outcomes can say the opposite of what the signal means; the fit never inverts it."""
+    model = AcceptanceModel()
+    for _ in range(8):
+        model.observe([0.9], 1, 0)  # confident and rejected
+        model.observe([0.1, 0.1], 2, 1)  # unsure and accepted once
+    assert model.fitted
+    low, high = model.probabilities([0.1])[0], model.probabilities([0.9])[0]
+    assert high >= low
+
+
+def test_a_probe_refits_the_estimate_at_once():
+    """After a pause, the probe's outcomes refit the estimate in the same step (waiting for 100 outcomes
+    would keep a stale estimate pausing for the rest of the calls)."""
+    verifier = _verifier()
+    rejected = accepted = Draft([1, 2, 3], confidence=[0.0] * 3)
+    for _ in range(64):
+        verifier.observe(rejected, 0)
+    verifier.acceptance.fit()
+    verifier.record_draft_time(0.001)
+    assert [len(d.tokens) for d in verifier.trim([rejected], [0])] == [0]
+    assert not verifier.should_draft()  # paused
+    while not verifier.should_draft():
+        pass
+    assert [len(d.tokens) for d in verifier.trim([accepted], [0])] == [1]  # the probe: one token
+    before = verifier.acceptance.probabilities([0.0])[0]
+    for _ in range(8):  # the probe's requests: all of them accepted
+        verifier.observe(Draft([1], confidence=[0.0]), 1)
+    assert verifier.acceptance.probabilities([0.0])[0] > before
+
+
+def test_a_costly_probe_buys_a_longer_pause():
+    """Drafting that plain decoding beats pauses until its probes cost at most probe_share of the plain
+    steps between them: a cheap drafter is asked again soon, a slow one much later."""
+
+    def steps_paused(draft_seconds: float) -> int:
+        verifier = _verifier()
+        drafts = [Draft([1, 2, 3], confidence=[0.0] * 3)]
+        for _ in range(verifier.acceptance.first_fit):  # every draft rejected at its first token
+            verifier.observe(drafts[0], 0)
+        verifier.record_draft_time(draft_seconds)
+        verifier.trim(drafts, [0])
+        paused = 0
+        while not verifier.should_draft():
+            paused += 1
+        return paused
+
+    assert steps_paused(0.001) == 1  # the doubling pause: 1, 2, 4 ... steps
+    assert steps_paused(2.0) == 40  # two plain passes (1.0 s each) a probe: 2 / (0.05 x 1.0) steps
+    assert steps_paused(100.0) == _verifier().longest_pause
+
+
 def test_draft_depth_follows_the_budget():
     verifier = _verifier(max_depth=4)
     assert verifier.depth == 4

@@ -7,8 +7,8 @@
 //   avx512bf16: vdpbf16ps, activations rounded to bf16 (RNE), fp32 accumulation (DAZ/FTZ in hardware).
 //   avx2:       bf16 weights widened to fp32 in registers, fp32 activations, one FMA per k.
 //   amx:        tdpbf16ps on 16-row tiles (fewer rows are zero-padded to 16, so a row always meets the same
-//               instruction sequence), activations rounded to bf16, weights padded to 32 k; the row blocks
-//               of a call reuse each strip group from L2 after the first streamed it.
+//               instruction sequence), activations rounded to bf16, weights padded to 32 k; two row blocks
+//               share each weight tile loaded (further pairs of blocks re-read the strips from L2).
 //   scalar:     the same sums in plain C++ (one fmaf per k), for CPUs with neither.
 #include "linear.h"
 #include "tiles.h"
@@ -167,15 +167,15 @@ static void linear_scalar(const PackedLinear& w, const float* x, int64_t m, int6
 
 // ---- amx: 16 rows x 16 columns per accumulator tile, 32 k per tdpbf16ps -----------------------------------
 
-// MB blocks of 16 rows x NB strips of 16 columns: MB * NB <= 4 accumulator tiles (0-3), each 32-k step loads
-// MB activation tiles (4, 5; a third and fourth block reuse them) and NB weight tiles (6, 7; a third and fourth
-// strip reuse them), so a weight tile loaded once serves MB blocks and an activation tile NB strips.
+// MB (1 or 2) blocks of 16 rows x NB strips of 16 columns: MB * NB <= 4 accumulator tiles (0-3), each 32-k step
+// loads MB activation tiles (4, 5) and NB weight tiles (6, 7; a third and fourth strip reuse them), so a weight
+// tile loaded once serves MB blocks and an activation tile NB strips.
 constexpr int AHEAD = 6;
 template <int MB, int NB>
 __attribute__((target("amx-tile,amx-bf16,avx512f"))) static void tile_amx(const PackedLinear& w, int64_t s0,
                                                                           const uint16_t* xb, int64_t xs,
                                                                           float* out /* [MB][NB][16][16] */) {
-  static_assert(MB * NB <= 4, "four accumulator tiles");
+  static_assert(MB <= 2 && MB * NB <= 4, "four accumulator tiles, two activation tiles");
   _tile_zero(0);
   if (MB * NB > 1) _tile_zero(1);
   if (MB * NB > 2) _tile_zero(2);
@@ -209,7 +209,7 @@ __attribute__((target("amx-tile,amx-bf16,avx512f"))) static void tile_amx(const 
         _tile_loadd(7, strips[3] + p * 32, 64);
         _tile_dpbf16ps(3, 4, 7);
       }
-    } else if constexpr (MB == 2) {
+    } else {
       _tile_loadd(4, xp, xs * 2);
       _tile_loadd(5, xp + block_stride, xs * 2);
       _tile_loadd(6, strips[0] + p * 32, 64);
@@ -220,21 +220,9 @@ __attribute__((target("amx-tile,amx-bf16,avx512f"))) static void tile_amx(const 
         _tile_dpbf16ps(2, 4, 7);
         _tile_dpbf16ps(3, 5, 7);
       }
-    } else {  // MB 3 or 4, one strip
-      _tile_loadd(6, strips[0] + p * 32, 64);
-      _tile_loadd(4, xp, xs * 2);
-      _tile_dpbf16ps(0, 4, 6);
-      _tile_loadd(5, xp + block_stride, xs * 2);
-      _tile_dpbf16ps(1, 5, 6);
-      _tile_loadd(7, xp + 2 * block_stride, xs * 2);
-      _tile_dpbf16ps(2, 7, 6);
-      if constexpr (MB > 3) {
-        _tile_loadd(4, xp + 3 * block_stride, xs * 2);
-        _tile_dpbf16ps(3, 4, 6);
-      }
     }
   }
-  // accumulator of (block i, strip b): tile i + MB * b for MB == 2, i for MB > 2, b for MB == 1
+  // accumulator of (block i, strip b): tile b for MB == 1, i + 2 * b for MB == 2
   _tile_stored(0, out, 64);
   if (MB * NB > 1) _tile_stored(1, out + 256, 64);
   if (MB * NB > 2) _tile_stored(2, out + 512, 64);
@@ -256,7 +244,7 @@ static void run_amx(const PackedLinear& w, const uint16_t* xb, int64_t block0, i
   tile_amx<MB, NB>(w, s0, xb + block0 * 16 * w.k_pad, w.k_pad, out);
   for (int i = 0; i < MB; ++i)
     for (int b = 0; b < NB; ++b) {
-      const int t = MB == 1 ? b : MB == 2 ? i + 2 * b : i;
+      const int t = MB == 1 ? b : i + 2 * b;
       store_amx_tile(w, out + t * 256, (block0 + i) * 16, m, (s0 + b) * 16, y, y_stride);
     }
 }

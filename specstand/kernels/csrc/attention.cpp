@@ -414,8 +414,9 @@ __attribute__((target_clones("avx2", "default"), flatten)) static void attend_gr
     }
 }
 
-static bool use_amx(Isa isa, int64_t head_dim) {
-  return isa == Isa::amx && (head_dim == 32 || head_dim == 64 || head_dim == 128);
+static bool use_amx(Isa isa, int64_t head_dim) {  // the softmax side rounds with vcvtneps2bf16 (AVX512-BF16)
+  static const bool bf16 = cpu_has(Isa::avx512bf16);
+  return isa == Isa::amx && bf16 && (head_dim == 32 || head_dim == 64 || head_dim == 128);
 }
 
 static bool use_avx512(Isa isa, int64_t head_dim, int64_t group) {

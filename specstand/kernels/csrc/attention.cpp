@@ -81,6 +81,31 @@ static void weigh_values16_heads(const float* weights, int64_t padded, const flo
   }
 }
 
+// Softmax numerators of one row of (scaled) scores, in place: exp(x - max) over its first `length` keys and 0
+// in the rest of the last 16-key block; returns 1 / their sum (16 lanes over the keys, then a fixed tree).
+__attribute__((target("avx512f"))) static float softmax_numerators16(float* s, int64_t length) {
+  const int64_t padded = (length + 15) / 16 * 16;
+  const __mmask16 tail = (__mmask16)((1u << (length - (padded - 16))) - 1);  // the last block's real keys
+  __m512 top = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+  for (int64_t block = 0; block < padded; block += 16)
+    top = _mm512_mask_max_ps(top, block + 16 == padded ? tail : (__mmask16)0xffff, top, _mm512_loadu_ps(s + block));
+  const v16f top_v = v16_splat(_mm512_reduce_max_ps(top));
+  __m512 total = _mm512_setzero_ps();
+  for (int64_t block = 0; block < padded; block += 16) {
+    v16f x;
+    std::memcpy(&x, s + block, sizeof(x));
+    const v16f e = vec_exp(x - top_v);
+    __m512 weight;
+    std::memcpy(&weight, &e, sizeof(e));
+    weight = _mm512_maskz_mov_ps(block + 16 == padded ? tail : (__mmask16)0xffff, weight);  // past the end: 0
+    _mm512_storeu_ps(s + block, weight);
+    total = _mm512_add_ps(total, weight);
+  }
+  v16f t;
+  std::memcpy(&t, &total, sizeof(t));
+  return 1.0f / v16_sum(t);
+}
+
 // The heads of one query row that share kv head `kv`, head_dim = 16 * DC.
 template <int DC>
 __attribute__((target("avx512f"))) static void attend_group16(const float* q, float* out, int64_t group,
@@ -109,28 +134,7 @@ __attribute__((target("avx512f"))) static void attend_group16(const float* q, fl
     }
   }
   float inverse_sum[64];
-  for (int64_t g = 0; g < group; ++g) {
-    float* s = scores.data() + g * padded;
-    const __mmask16 tail = (__mmask16)((1u << (length - (padded - 16))) - 1);  // the last block's real keys
-    __m512 top = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
-    for (int64_t block = 0; block < padded; block += 16)
-      top = _mm512_mask_max_ps(top, block + 16 == padded ? tail : (__mmask16)0xffff, top, _mm512_loadu_ps(s + block));
-    const v16f top_v = v16_splat(_mm512_reduce_max_ps(top));
-    __m512 total = _mm512_setzero_ps();
-    for (int64_t block = 0; block < padded; block += 16) {
-      v16f x;
-      std::memcpy(&x, s + block, sizeof(x));
-      const v16f e = vec_exp(x - top_v);
-      __m512 weight;
-      std::memcpy(&weight, &e, sizeof(e));
-      weight = _mm512_maskz_mov_ps(block + 16 == padded ? tail : (__mmask16)0xffff, weight);  // past the end: 0
-      _mm512_storeu_ps(s + block, weight);
-      total = _mm512_add_ps(total, weight);
-    }
-    v16f t;
-    std::memcpy(&t, &total, sizeof(t));
-    inverse_sum[g] = 1.0f / v16_sum(t);
-  }
+  for (int64_t g = 0; g < group; ++g) inverse_sum[g] = softmax_numerators16(scores.data() + g * padded, length);
   constexpr int H = DC >= 16 ? 1 : DC >= 8 ? 2 : DC >= 4 ? 6 : 8;  // H * DC accumulators in 32 registers
   weigh_values16_heads<DC, H>(scores.data(), padded, inverse_sum, out, group, slot, kv, length, cache);
 }
@@ -251,39 +255,26 @@ __attribute__((target("amx-tile,amx-bf16,avx512f"))) static void scores_amx(int6
   }
 }
 
-// Per vector v < count, over its own keys: scores times `scale`, softmax numerators exp(x - max) rounded to
-// bf16 into s.weights (zero past its length), and 1 / their fp32 sum into inverse_sum[v].
-__attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16"))) static void softmax_numerators(
-    const int64_t* lengths, int64_t count, int64_t padded, float scale, AmxScratch& s, float* inverse_sum) {
+// Per vector v < count, over its own keys: scores times `scale`, softmax numerators rounded to bf16 into
+// s.weights (zero past its length), and 1 / their fp32 sum into inverse_sum[v].
+__attribute__((target("avx512f,avx512bf16"))) static void softmax_numerators(const int64_t* lengths, int64_t count,
+                                                                           int64_t padded, float scale,
+                                                                           AmxScratch& s, float* inverse_sum) {
   s.weights.resize(16 * padded);
   const __m512 scale_v = _mm512_set1_ps(scale);
   for (int64_t v = 0; v < count; ++v) {
     float* row = s.scores.data() + v * padded;
-    const int64_t length = lengths[v];
-    __m512 top = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
-    for (int64_t key = 0; key < length; key += 16) {
+    uint16_t* weights = s.weights.data() + v * padded;
+    const int64_t length = lengths[v], blocks_end = (length + 15) / 16 * 16;
+    for (int64_t key = 0; key < length; key += 16) {  // keys past the length read as 0
       const __mmask16 valid = (__mmask16)(length - key >= 16 ? 0xffff : (1u << (length - key)) - 1);
-      const __m512 x = _mm512_mul_ps(_mm512_maskz_loadu_ps(valid, row + key), scale_v);
-      _mm512_storeu_ps(row + key, x);
-      top = _mm512_mask_max_ps(top, valid, top, x);
+      _mm512_storeu_ps(row + key, _mm512_mul_ps(_mm512_maskz_loadu_ps(valid, row + key), scale_v));
     }
-    const v16f top_v = v16_splat(_mm512_reduce_max_ps(top));
-    __m512 total = _mm512_setzero_ps();
-    for (int64_t key = 0; key < length; key += 16) {
-      const __mmask16 valid = (__mmask16)(length - key >= 16 ? 0xffff : (1u << (length - key)) - 1);
-      v16f x;
-      std::memcpy(&x, row + key, sizeof(x));
-      const v16f e = vec_exp(x - top_v);
-      __m512 weight;
-      std::memcpy(&weight, &e, sizeof(e));
-      weight = _mm512_maskz_mov_ps(valid, weight);
-      total = _mm512_add_ps(total, weight);
-      _mm256_mask_storeu_epi16(&s.weights[v * padded + key], valid, (__m256i)_mm512_cvtneps_pbh(weight));
-    }
-    std::memset(&s.weights[v * padded + length], 0, (padded - length) * 2);
-    v16f t;
-    std::memcpy(&t, &total, sizeof(t));
-    inverse_sum[v] = 1.0f / v16_sum(t);
+    inverse_sum[v] = softmax_numerators16(row, length);
+    for (int64_t key = 0; key < blocks_end; key += 16)
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(weights + key),
+                          (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(row + key)));
+    std::memset(weights + blocks_end, 0, (padded - blocks_end) * 2);
   }
 }
 

@@ -170,7 +170,7 @@ static void linear_scalar(const PackedLinear& w, const float* x, int64_t m, int6
 // MB (1 or 2) blocks of 16 rows x NB strips of 16 columns: MB * NB <= 4 accumulator tiles (0-3), each 32-k step
 // loads MB activation tiles (4, 5) and NB weight tiles (6, 7; a third and fourth strip reuse them), so a weight
 // tile loaded once serves MB blocks and an activation tile NB strips.
-constexpr int AHEAD = 6;
+constexpr int PREFETCH_STEPS = 6;  // k steps of 32 a weight prefetch runs ahead
 template <int MB, int NB>
 __attribute__((target("amx-tile,amx-bf16,avx512f"))) static void tile_amx(const PackedLinear& w, int64_t s0,
                                                                           const uint16_t* xb, int64_t xs,
@@ -185,10 +185,11 @@ __attribute__((target("amx-tile,amx-bf16,avx512f"))) static void tile_amx(const 
   const int64_t block_stride = 16 * xs;
   for (int64_t p = 0; p < w.k_pad / 2; p += 16) {
     const uint16_t* xp = xb + 2 * p;
-    if (p + 16 * AHEAD < w.k_pad / 2)  // weights a few k steps ahead into L2: DRAM latency
+    const int64_t ahead = p + 16 * PREFETCH_STEPS;
+    if (ahead < w.k_pad / 2)  // weights a few k steps ahead into L2: DRAM latency
       for (int b = 0; b < NB; ++b)
         for (int line = 0; line < 16; ++line)
-          _mm_prefetch(reinterpret_cast<const char*>(strips[b] + (p + 16 * AHEAD) * 32 + line * 32), _MM_HINT_T1);
+          _mm_prefetch(reinterpret_cast<const char*>(strips[b] + ahead * 32 + line * 32), _MM_HINT_T1);
     if (p + 16 < w.k_pad / 2)  // the next step's tiles into L1: a tile load waits on every line it misses
       for (int b = 0; b < NB; ++b)
         for (int line = 0; line < 16; ++line)
@@ -249,8 +250,8 @@ static void run_amx(const PackedLinear& w, const uint16_t* xb, int64_t block0, i
     }
 }
 
-// One group of four strips (64 columns) for all row blocks: four blocks at a time strip by strip, then two
-// blocks on strip pairs, then one block on all four. Any shape gives the same arithmetic per element.
+// One group of up to four strips (64 columns) for all row blocks: pairs of blocks on pairs of strips (an odd
+// strip alone), then an odd last block on all the strips at once. Any shape gives the same arithmetic per element.
 static void strip_group_amx(const PackedLinear& w, const uint16_t* xb, int64_t m, int64_t s0, int64_t nb, float* out,
                             float* y, int64_t y_stride) {
   const int64_t blocks = (m + 15) / 16, pairs_end = blocks / 2 * 2;

@@ -2,14 +2,20 @@
 
 Each user replays its turns one after another. Inside a turn a call starts when all its dependencies
 have finished plus its recorded delay, so independent calls run in parallel, as the agent ran them.
+
+The load stays at U until the last counted turn ends: a user done with its own turns goes on replaying
+uncounted filler turns (the next ones in its cyclic order) meanwhile, and starts no new call once every
+user is done. Otherwise the turns left at the end would run with fewer users than U beside them, and a
+method that finishes some turns early would see its last turns served by a lighter machine.
 """
 
 from __future__ import annotations
 
 import asyncio
+import itertools
 import math
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -62,10 +68,16 @@ class TurnRecord:
 
 
 def assign_turns(turns: list[Turn], users: int) -> list[list[Turn]]:
-    """Every user gets ceil(len(turns) / users) turns from the cyclic order, starting at its own offset:
-    the load stays at `users` for the whole run and every turn is replayed at least once."""
+    """Every user gets ceil(len(turns) / users) counted turns from the cyclic order, starting at its own
+    offset: every turn is replayed at least once."""
     per_user = max(1, math.ceil(len(turns) / users))
     return [[turns[(u * per_user + i) % len(turns)] for i in range(per_user)] for u in range(users)]
+
+
+def filler_turns(turns: list[Turn], users: int, user: int) -> Iterator[Turn]:
+    """The turns a user replays, uncounted, after its own: its cyclic order goes on."""
+    per_user = max(1, math.ceil(len(turns) / users))
+    return (turns[(user * per_user + i) % len(turns)] for i in itertools.count(per_user))
 
 
 async def replay(
@@ -75,21 +87,36 @@ async def replay(
     clock: Callable[[], float] = time.perf_counter,
     on_turn: Callable[[TurnRecord], None] = lambda record: None,
 ) -> tuple[list[TurnRecord], float]:
-    """Returns the turn records (in completion order) and the wall time of the run."""
+    """Returns the counted turn records (in completion order) and the wall time until the last of them
+    ended; fillers still in flight then finish their current calls before this returns."""
     records: list[TurnRecord] = []
     started = clock()
+    all_done = asyncio.Event()
+    users_done = 0
+    wall = 0.0
 
     async def user(index: int, own: list[Turn]) -> None:
+        nonlocal users_done, wall
         for turn in own:
             record = await _replay_turn(turn, endpoint, index, clock)
             records.append(record)
             on_turn(record)
+        users_done += 1
+        if users_done == users:
+            wall = clock() - started
+            all_done.set()
+        for turn in filler_turns(turns, users, index):
+            if all_done.is_set():
+                break
+            await _replay_turn(turn, endpoint, index, clock, stop=all_done)
 
     await asyncio.gather(*(user(i, own) for i, own in enumerate(assign_turns(turns, users))))
-    return records, clock() - started
+    return records, wall
 
 
-async def _replay_turn(turn: Turn, endpoint: Endpoint, user: int, clock: Callable[[], float]) -> TurnRecord:
+async def _replay_turn(turn: Turn, endpoint: Endpoint, user: int, clock: Callable[[], float],
+                       stop: asyncio.Event | None = None) -> TurnRecord:
+    """Replays one turn; once `stop` is set, calls not yet started are skipped (a filler's wind-down)."""
     record = TurnRecord(turn.turn_id, user, clock(), 0.0)
     done: dict[str, asyncio.Future] = {c.id: asyncio.get_running_loop().create_future() for c in turn.calls}
 
@@ -98,6 +125,9 @@ async def _replay_turn(turn: Turn, endpoint: Endpoint, user: int, clock: Callabl
             await done[dep]
         if call.delay_ms:
             await asyncio.sleep(call.delay_ms / 1000)
+        if stop is not None and stop.is_set():
+            done[call.id].set_result(None)
+            return
         entry = CallRecord(turn.turn_id, call.id, call.stage, clock(), 0.0)
         try:
             answer = await endpoint.complete(call)

@@ -1,6 +1,7 @@
 """Replay timing against a fake endpoint with known latencies."""
 
 import asyncio
+import time
 
 import pytest
 
@@ -16,8 +17,10 @@ class FakeEndpoint:
         self.fail = fail
         self.active = 0
         self.max_active = 0
+        self.starts: list[float] = []
 
     async def complete(self, call):
+        self.starts.append(time.perf_counter())
         self.active += 1
         self.max_active = max(self.max_active, self.active)
         try:
@@ -67,6 +70,21 @@ def test_assignment_keeps_every_user_busy():
     assert len(plan) == 5 and all(len(own) == 1 for own in plan)
     assert {t.turn_id for own in plan for t in own} == {"t0", "t1", "t2"}
     assert [len(own) for own in assign_turns(turns, 2)] == [2, 2]
+
+
+def test_load_stays_at_u_until_the_last_counted_turn_ends():
+    # user 0 replays the 0.4 s turn, user 1 the 0.1 s one and then fillers (the next turns of its cycle)
+    turns = [_turn("long"), Turn("short", [Call(id="a", prompt="p")])]
+    endpoint = FakeEndpoint()
+    began = time.perf_counter()
+    records, wall = asyncio.run(replay(turns, endpoint, users=2))
+    assert sorted(r.turn_id for r in records) == ["long", "short"]  # fillers are not counted
+    assert wall == pytest.approx(0.40, abs=TOLERANCE_S)  # until the last counted turn, not the fillers' end
+    starts = [t - began for t in endpoint.starts]
+    # counted calls: 5; user 1's filler ("long" again from 0.1 s) starts a, b and c before 0.4 s
+    assert len([t for t in starts if t < wall - TOLERANCE_S]) == 5 + 3
+    assert all(t < wall + TOLERANCE_S for t in starts)  # nothing starts once the last counted turn ended
+    assert endpoint.active == 0  # every call in flight finished before replay returned
 
 
 def test_a_failed_call_is_recorded_and_the_turn_finishes():

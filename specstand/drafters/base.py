@@ -72,6 +72,10 @@ class Draft:
 class Drafter(ABC):
     name: str = ""
     tap_layers: tuple[int, ...] = ()  # target hidden states this drafter needs (HF numbering)
+    # True where every further draft token costs another drafter step (a chain: EAGLE-3, MTP): adaptive
+    # verification then drafts no deeper than it expects to verify. A block drafter's pass, or a lookup,
+    # costs the same at any depth, so cutting the draft before it is priced would only lose tokens.
+    cost_grows_with_depth: bool = False
 
     def begin(self, seq: SequenceView) -> None:  # noqa: B027 - optional hook
         """A request was admitted."""

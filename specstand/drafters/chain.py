@@ -90,6 +90,8 @@ class ChainModel(nn.Module):
 class ChainDrafter(Drafter):
     """Inference: keeps the layer's keys/values of real rows per request; drafts one token per step."""
 
+    cost_grows_with_depth = True
+
     def __init__(self, model: ChainModel, name: str) -> None:
         self.model = model.eval()
         self.name = name

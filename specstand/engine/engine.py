@@ -418,9 +418,11 @@ class Engine:
     def _propose(self, states: list[_Running]) -> list[Draft | Exception]:
         """Every decoding request's draft, in one drafter call (block drafters batch their passes); if that
         call fails, each request is asked alone, so a failure costs only the request it belongs to."""
-        # never draft past max_tokens (the pass emits accepted drafts + 1 target token), nor deeper than
-        # adaptive verification last found worth verifying
-        depth = self._adaptive.depth if self._adaptive is not None else self.config.num_speculative_tokens
+        # never draft past max_tokens (the pass emits accepted drafts + 1 target token), nor, where each
+        # draft token costs a drafter step, deeper than adaptive verification last found worth verifying
+        depth = self.config.num_speculative_tokens
+        if self._adaptive is not None and self.drafter is not None and self.drafter.cost_grows_with_depth:
+            depth = self._adaptive.depth
         budgets = [min(depth, s.request.max_tokens - s.emitted - 1) for s in states]
         if self.drafter is None or not any(b > 0 for b in budgets):
             return [Draft([]) for _ in states]

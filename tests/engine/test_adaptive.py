@@ -205,3 +205,38 @@ def test_draft_cost_is_not_set_by_a_proposal_that_read_a_prompt():
     for seconds in (0.010, 0.011, 0.5, 0.009, 0.010):  # 0.5: the first proposal after a long prompt
         verifier.record_draft_time(seconds)
     assert verifier.draft_seconds == pytest.approx(0.010)
+
+
+class FirstTokenRight(Drafter):
+    """Drafts the plain answer's next token (sure of it), then tokens it is never right about."""
+
+    name = "first-token-right"
+
+    def __init__(self, prompt_len: int, answer: list[int], cost_grows_with_depth: bool) -> None:
+        self.prompt_len, self.answer = prompt_len, answer
+        self.cost_grows_with_depth = cost_grows_with_depth
+        self.asked: list[int] = []
+
+    def propose(self, seq: SequenceView, max_tokens: int) -> Draft:
+        self.asked.append(max_tokens)
+        at = len(seq.token_ids) - self.prompt_len
+        right = self.answer[at] if at < len(self.answer) else 0
+        wrong = [(self.answer[min(at + 1 + i, len(self.answer) - 1)] + 1) % 97 for i in range(max_tokens - 1)]
+        return Draft([right, *wrong], confidence=[5.0] + [-5.0] * (max_tokens - 1))
+
+
+@pytest.mark.parametrize("cost_grows_with_depth", [True, False])
+def test_only_a_chain_drafter_is_asked_for_fewer_tokens_than_k(cost_grows_with_depth, monkeypatch):
+    # a row costs a tenth of a pass: the budget settles on the first position, the one that is accepted
+    monkeypatch.setattr(engine_module, "profile_pass_cost", lambda *profile_args: FixedCost([1, 64], [1.0, 7.3]))
+    model = tiny_decoder("llama", torch.float32)
+    prompt = random_prompts(1, 20, seed=2)[0]
+    plain = Engine(model, None, EngineConfig(5, 512, 1)).generate([Request(prompt, 60)])[0].output_ids
+    drafter = FirstTokenRight(len(prompt), plain, cost_grows_with_depth)
+    result = Engine(model, drafter, EngineConfig(5, 512, 1, adaptive=True)).generate([Request(prompt, 60)])[0]
+    assert result.output_ids == plain
+    settled = drafter.asked[12:20]  # past the first fit (8 drafts) and a few budgets after it
+    assert len(settled) == 8
+    # a chain would pay a step per token it is asked for: one past the budget (1); a block pass costs the
+    # same at any depth, so it keeps drafting K and the budget cuts its draft after pricing it
+    assert all(n <= 2 for n in settled) if cost_grows_with_depth else all(n == 5 for n in settled)

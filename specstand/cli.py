@@ -14,6 +14,7 @@ from specstand.engine import GenerationResult
 
 DTYPE_CHOICES = ["bf16", "fp32", "q8_0"]  # models/loading.py DTYPES
 DTYPE_HELP = "weights: bf16, fp32, or q8_0 (bf16 model, linears as Q8_0 blocks: about half the bytes a pass reads)"
+KEEP_ALIVE_S = 75  # serve: seconds an idle HTTP connection stays open
 
 
 class CliError(Exception):
@@ -360,7 +361,9 @@ def cmd_serve(args: argparse.Namespace) -> None:
     _log(f"serving {args.model} with method {args.method} (K={worker.engine.config.num_speculative_tokens}"
          f"{adaptive}) on http://{args.host}:{args.port}")
     try:
-        uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
+        # keep-alive well past the 5 s an httpx client (the openai SDK's) keeps an idle connection: a server
+        # that closes first can close one just as the client sends a call on it
+        uvicorn.run(app, host=args.host, port=args.port, log_level="warning", timeout_keep_alive=KEEP_ALIVE_S)
     finally:
         worker.stop()
 

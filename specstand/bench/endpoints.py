@@ -8,12 +8,18 @@ from prometheus_client.parser import text_string_to_metric_families
 from specstand.bench.replay import Answer
 from specstand.workloads import Call
 
+# An idle pooled connection is dropped after this long: less than the 5 s after which uvicorn (so vLLM and
+# specstand too) closes it, so a call never goes out on a connection the server is closing at that moment
+# (seen on the stand: one call in 518 turns failed with an empty ReadError).
+KEEPALIVE_EXPIRY_S = 2.0
+
 
 class OpenAIEndpoint:
     def __init__(self, base_url: str, model: str | None = None, timeout_s: float = 600) -> None:
         self.base_url = base_url.rstrip("/")
         self.model = model
-        self.client = httpx.AsyncClient(timeout=timeout_s, limits=httpx.Limits(max_connections=512))
+        limits = httpx.Limits(max_connections=512, keepalive_expiry=KEEPALIVE_EXPIRY_S)
+        self.client = httpx.AsyncClient(timeout=timeout_s, limits=limits)
 
     async def resolve_model(self) -> str:
         if self.model is None:

@@ -160,7 +160,9 @@ def _answer_remotely(endpoint: str, jobs: list[_Job], concurrency: int) -> Itera
     import httpx
 
     base = endpoint.rstrip("/")
-    with httpx.Client(timeout=600) as client:
+    # idle connections dropped after 2 s, before the server's own keep-alive (5 s in uvicorn, so in vLLM) can
+    # close one just as a call goes out on it
+    with httpx.Client(timeout=600, limits=httpx.Limits(keepalive_expiry=2.0)) as client:
         served = client.get(f"{base}/v1/models").raise_for_status().json()["data"][0]["id"]
 
         def answer(job: _Job) -> tuple[_Job, list[int]]:

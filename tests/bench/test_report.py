@@ -84,3 +84,19 @@ def test_predicted_speedup_from_acceptance_and_profiled_costs():
     assert summary["peer"][1][0]["predicted_speedup"] is None  # a server that does not report them
     table = render_markdown(summary, ["fast", "peer"], [1], "fast", {})
     assert "| predicted decode speedup: tau x T(1) / (pass + draft) | x1.98 | – |" in table
+
+
+def test_the_mean_turn_time_is_reported_beside_the_median():
+    # three short turns (1 s) and three long ones (3 s); the other method halves every turn
+    workload = [Turn(f"t{i}", [Call(id="a", prompt="p")]) for i in range(6)]
+
+    def run(target, scale):
+        turns = [TurnRecord(f"t{i}", 0, 0.0, scale * (1.0 if i < 3 else 3.0),
+                            [CallRecord(f"t{i}", "a", "s", 0.0, 1.0, "x", 4, "stop")]) for i in range(6)]
+        return RunResult(target, 2, 0, 6.0 * scale, turns, {})
+
+    summary = summarize([run("none", 1.0), run("fast", 0.5)], workload, "none")
+    assert summary["none"][2][0]["turn_mean_s"] == 2.0 and summary["fast"][2][0]["turn_mean_s"] == 1.0
+    table = render_markdown(summary, ["none", "fast"], [2], "none", {})
+    assert "| speedup vs none (turn mean), U=2 | x1.00 | x2.00 |" in table
+    assert "| turn mean, U=2 (s) | 2.00 [2.00–2.00] | 1.00 [1.00–1.00] |" in table

@@ -178,7 +178,10 @@ class AdaptiveVerifier:
     # a drafting step that plain decoding would have beaten is "a probe": pauses stretch until probes cost at
     # most this share of the plain steps between them (a drafter as slow as two plain steps: 40 steps)
     probe_share: float = 0.05
-    longest_pause: int = 256
+    # bounds a pause bought by one freak probe; far above what real probes buy, so the share above holds
+    # (at 256, probes that each read four new 1.5k-token prompts into SmolLM2's DFlash added a third to the
+    # time of plain decoding in `make demo`'s 4-user runs)
+    longest_pause: int = 4096
     max_depth: int = 5  # K: the most draft tokens a request is asked for
     depth: int = field(init=False)  # how deep to draft next: one past the deepest share the last budget gave
     _pause: int = 0  # steps left without drafting

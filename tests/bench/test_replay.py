@@ -8,7 +8,7 @@ import pytest
 from specstand.bench.replay import Answer, assign_turns, replay
 from specstand.workloads import Call, Turn
 
-LATENCY_S = {"a": 0.10, "b": 0.20, "c": 0.10, "d": 0.10}
+LATENCY_S = {"a": 0.10, "b": 0.20, "c": 0.10, "d": 0.10, "s": 0.15}
 TOLERANCE_S = 0.03
 
 
@@ -73,17 +73,18 @@ def test_assignment_keeps_every_user_busy():
 
 
 def test_load_stays_at_u_until_the_last_counted_turn_ends():
-    # user 0 replays the 0.4 s turn, user 1 the 0.1 s one and then fillers (the next turns of its cycle)
-    turns = [_turn("long"), Turn("short", [Call(id="a", prompt="p")])]
+    # user 0 replays the 0.4 s turn, user 1 the 0.15 s one and then fillers (the next turns of its cycle)
+    turns = [_turn("long"), Turn("short", [Call(id="s", prompt="p")])]
     endpoint = FakeEndpoint()
     began = time.perf_counter()
     records, wall = asyncio.run(replay(turns, endpoint, users=2))
     assert sorted(r.turn_id for r in records) == ["long", "short"]  # fillers are not counted
     assert wall == pytest.approx(0.40, abs=TOLERANCE_S)  # until the last counted turn, not the fillers' end
     starts = [t - began for t in endpoint.starts]
-    # counted calls: 5; user 1's filler ("long" again from 0.1 s) starts a, b and c before 0.4 s
-    assert len([t for t in starts if t < wall - TOLERANCE_S]) == 5 + 3
-    assert all(t < wall + TOLERANCE_S for t in starts)  # nothing starts once the last counted turn ended
+    # counted calls: 5; user 1's filler ("long" again from 0.15 s) starts a, b and c by 0.3 s, and its d
+    # (due at 0.45 s) never starts: the last counted turn ended at 0.4 s
+    assert len(starts) == 5 + 3
+    assert all(t < wall for t in starts)
     assert endpoint.active == 0  # every call in flight finished before replay returned
 
 

@@ -48,8 +48,14 @@ class HiddenRows:
 
 
 def join_rows(rows: list[HiddenRows], layers: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor]:
-    """Consecutive stretches of hidden rows as one: their positions [T] and concatenated taps [T, layers x H]."""
-    return torch.cat([h.positions() for h in rows]), torch.cat([h.concat(layers) for h in rows])
+    """Stretches of hidden rows as one: their positions [T] and concatenated fp32 taps [T, layers x H]. A
+    layer's pieces (a prompt's megabytes, then a row a pass) are joined in their own dtype and written once
+    into their columns: no per-piece conversions or intermediate copies."""
+    width = rows[0].taps[layers[0]].shape[-1]
+    taps = torch.empty(sum(h.rows for h in rows), len(layers) * width)
+    for i, layer in enumerate(layers):
+        taps[:, i * width : (i + 1) * width] = torch.cat([h.taps[layer] for h in rows])
+    return torch.cat([h.positions() for h in rows]), taps
 
 
 @dataclass

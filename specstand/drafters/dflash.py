@@ -150,16 +150,16 @@ class DFlashDrafter(Drafter):
         behind = [r for r in request_ids if self._pending.get(r)]
         if not behind:
             return
-        joined = [join_rows(self._pending[r], self.tap_layers) for r in behind]
-        new = self.model.context_keys_values(self.model.context(torch.cat([taps for _, taps in joined])),
-                                             torch.cat([rows for rows, _ in joined]))
+        counts = [sum(h.rows for h in self._pending[r]) for r in behind]
+        positions, taps = join_rows([h for r in behind for h in self._pending[r]], self.tap_layers)
+        new = self.model.context_keys_values(self.model.context(taps), positions)
         end = 0
-        for r, (rows, _) in zip(behind, joined, strict=True):
+        for r, n in zip(behind, counts, strict=True):
             self._pending[r].clear()
             old = self._context[r] or [None] * len(new)
-            self._context[r] = [append_keys_values(past, (k[:, end : end + len(rows)], v[:, end : end + len(rows)]))
+            self._context[r] = [append_keys_values(past, (k[:, end : end + n], v[:, end : end + n]))
                                 for past, (k, v) in zip(old, new, strict=True)]
-            end += len(rows)
+            end += n
 
     def _block(self, seq: SequenceView) -> tuple[torch.Tensor, torch.Tensor]:
         """Tokens and positions of the request's next block: [last token, MASK x (B-1)] at n-1, n, ..."""

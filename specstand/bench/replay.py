@@ -67,17 +67,22 @@ class TurnRecord:
         return any(c.error for c in self.calls)
 
 
+def turns_per_user(turns: list[Turn], users: int) -> int:
+    """Counted turns per user: ceil(len(turns) / users), so every turn is replayed at least once."""
+    return max(1, math.ceil(len(turns) / users))
+
+
+def cyclic_order(turns: list[Turn], users: int, user: int) -> Iterator[Turn]:
+    """A user's turns, endlessly: the workload's cyclic order from the user's own offset. Its first
+    turns_per_user are counted; the ones after are the fillers that keep the load up."""
+    start = user * turns_per_user(turns, users)
+    return (turns[(start + i) % len(turns)] for i in itertools.count())
+
+
 def assign_turns(turns: list[Turn], users: int) -> list[list[Turn]]:
-    """Every user gets ceil(len(turns) / users) counted turns from the cyclic order, starting at its own
-    offset: every turn is replayed at least once."""
-    per_user = max(1, math.ceil(len(turns) / users))
-    return [[turns[(u * per_user + i) % len(turns)] for i in range(per_user)] for u in range(users)]
-
-
-def filler_turns(turns: list[Turn], users: int, user: int) -> Iterator[Turn]:
-    """The turns a user replays, uncounted, after its own: its cyclic order goes on."""
-    per_user = max(1, math.ceil(len(turns) / users))
-    return (turns[(user * per_user + i) % len(turns)] for i in itertools.count(per_user))
+    """Every user's counted turns."""
+    return [list(itertools.islice(cyclic_order(turns, users, u), turns_per_user(turns, users)))
+            for u in range(users)]
 
 
 async def replay(
@@ -95,9 +100,10 @@ async def replay(
     users_done = 0
     wall = 0.0
 
-    async def user(index: int, own: list[Turn]) -> None:
+    async def user(index: int) -> None:
         nonlocal users_done, wall
-        for turn in own:
+        order = cyclic_order(turns, users, index)
+        for turn in itertools.islice(order, turns_per_user(turns, users)):
             record = await _replay_turn(turn, endpoint, index, clock)
             records.append(record)
             on_turn(record)
@@ -105,12 +111,12 @@ async def replay(
         if users_done == users:
             wall = clock() - started
             all_done.set()
-        for turn in filler_turns(turns, users, index):
+        for turn in order:  # fillers, until every user is done with its counted turns
             if all_done.is_set():
                 break
             await _replay_turn(turn, endpoint, index, clock, stop=all_done)
 
-    await asyncio.gather(*(user(i, own) for i, own in enumerate(assign_turns(turns, users))))
+    await asyncio.gather(*(user(i) for i in range(users)))
     return records, wall
 
 

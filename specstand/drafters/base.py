@@ -43,9 +43,6 @@ class HiddenRows:
     def positions(self) -> torch.Tensor:
         return self.start + torch.arange(self.rows)
 
-    def concat(self, layers: tuple[int, ...], dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        return torch.cat([self.taps[layer].to(dtype) for layer in layers], dim=-1)
-
 
 def join_rows(rows: list[HiddenRows], layers: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor]:
     """Stretches of hidden rows as one: their positions [T] and concatenated fp32 taps [T, layers x H]. A

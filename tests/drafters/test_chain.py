@@ -9,6 +9,7 @@ from torch import nn
 
 from specstand import kernels
 from specstand.drafters import HiddenRows, SequenceView
+from specstand.drafters.base import join_rows
 from specstand.drafters.chain import ChainDrafter, ChainModel
 from specstand.drafters.eagle3 import build_eagle3
 from specstand.drafters.nn import Attention, DrafterSpec, KernelLinear, pack_for_inference
@@ -77,8 +78,8 @@ def test_a_request_drafts_from_its_verified_rows_only():
     # row j read the hidden state at j and token j + 1, causally
     causal = torch.zeros(10, 10).masked_fill(torch.ones(10, 10, dtype=torch.bool).triu(1), float("-inf"))
     with torch.no_grad():
-        out, _ = model.step(torch.tensor(seq.token_ids[1:11]), model.features(prompt.concat(TAPS)), torch.arange(10),
-                            causal, None)
+        _, taps = join_rows([prompt], TAPS)
+        out, _ = model.step(torch.tensor(seq.token_ids[1:11]), model.features(taps), torch.arange(10), causal, None)
     torch.testing.assert_close(drafter._last[0], out[-1:], atol=1e-5, rtol=1e-5)
 
 

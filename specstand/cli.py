@@ -141,7 +141,10 @@ def _training_parsers(commands) -> None:
                        help="eagle3, mtp, dflash, dspark or dflash2; several (a,b) share one pass of the target "
                             "over the data")
     train.add_argument("--model", default="smollm2-135m")
-    train.add_argument("--data", type=Path, required=True, help="a `train-data` folder")
+    train.add_argument("--data", type=Path, action="append", required=True,
+                       help="a `train-data` folder (repeatable: their rows are trained on together)")
+    train.add_argument("--data-fraction", type=float, default=1.0,
+                       help="train on this share of the training turns (stable and nested, for data-size curves)")
     train.add_argument("--out", type=Path, required=True,
                        help="checkpoint folder, resumed when it holds one (several methods: OUT/<method>)")
     train.add_argument("--dtype", default="bf16", choices=DTYPE_CHOICES, help=DTYPE_HELP)
@@ -159,7 +162,8 @@ def _training_parsers(commands) -> None:
     evaluate = commands.add_parser("eval-drafter", help="acceptance, tau and predicted speedup on held-out calls")
     evaluate.add_argument("--model", default="smollm2-135m")
     evaluate.add_argument("--drafter", type=Path, required=True)
-    evaluate.add_argument("--data", type=Path, required=True)
+    evaluate.add_argument("--data", type=Path, action="append", required=True,
+                          help="a `train-data` folder whose held-out rows are evaluated (repeatable)")
     evaluate.add_argument("--k", default=None, help="comma-separated draft lengths (default: 1,2,4 and the most)")
     evaluate.add_argument("--limit", type=int, default=None, help="at most this many held-out calls")
     evaluate.add_argument("--dtype", default="bf16", choices=DTYPE_CHOICES, help=DTYPE_HELP)
@@ -571,7 +575,8 @@ def cmd_train(args: argparse.Namespace) -> None:
     if len(set(methods)) != len(methods):
         raise CliError(f"--method names a method twice: {args.method}")
     configs = [TrainConfig(
-        method=method, data=str(args.data), out=str(args.out / method if len(methods) > 1 else args.out),
+        method=method, data=[str(d) for d in args.data], data_fraction=args.data_fraction,
+        out=str(args.out / method if len(methods) > 1 else args.out),
         steps=args.steps, lr=args.lr, pack_tokens=args.pack_tokens, save_every=args.save_every, seed=args.seed,
         num_layers=args.layers, intermediate_size=args.intermediate_size, draft_vocab_size=args.draft_vocab,
         num_taps=args.num_taps, block_size=args.block_size, anchors=args.anchors, train_steps=args.train_steps,
@@ -595,7 +600,7 @@ def cmd_train(args: argparse.Namespace) -> None:
 def cmd_eval_drafter(args: argparse.Namespace) -> None:
     from specstand.drafters.trained import read_spec
     from specstand.models import load_model
-    from specstand.training.data import load_rows
+    from specstand.training.data import load_datasets
     from specstand.training.evaluate import as_dicts, evaluate_drafter, write_card
 
     spec = read_spec(args.drafter)
@@ -606,10 +611,10 @@ def cmd_eval_drafter(args: argparse.Namespace) -> None:
         raise CliError(f"--k takes comma-separated integers, not {args.k!r}") from None
     if min(ks) < 1:
         raise CliError("--k values must be >= 1")
-    _, rows = load_rows(args.data)
+    _, rows = load_datasets(args.data)
     heldout = [r for r in rows if r.split == "heldout"][: args.limit]
     if not heldout:
-        raise CliError(f"{args.data} has no held-out rows")
+        raise CliError(f"{', '.join(map(str, args.data))}: no held-out rows")
     model = load_model(args.model, args.dtype, 2048, log=_log)
     figures = evaluate_drafter(model, args.drafter, heldout, ks, model.max_positions, log=_log)
     if args.json:

@@ -157,7 +157,7 @@ class TrainedDrafters:
         if key not in self.folders:
             method, steps = key
             out = self.root / f"{method}-{steps}"
-            train(TrainConfig(method, str(self.data), str(out), steps=steps, pack_tokens=256, save_every=100,
+            train(TrainConfig(method, [str(self.data)], str(out), steps=steps, pack_tokens=256, save_every=100,
                               lr=3e-3, draft_vocab_size=64), self.target, log=lambda _: None)
             self.folders[key] = out
         return self.folders[key]

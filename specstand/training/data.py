@@ -89,6 +89,13 @@ def heldout_turn(turn_id: str, fraction: float) -> bool:
     return digest / 0xFFFFFFFF < fraction
 
 
+def subset_turn(turn_id: str, fraction: float) -> bool:
+    """A stable share of the turns, independent of the held-out split (another salt) and nested: the turns
+    kept at a fraction are kept at every larger one, so a data-size curve adds data, never swaps it."""
+    digest = int(hashlib.sha256(f"subset/{turn_id}".encode()).hexdigest()[:8], 16)
+    return digest / 0xFFFFFFFF < fraction
+
+
 def prompt_ids(model: LoadedModel, call) -> list[int]:
     return model.encode_messages(call.messages, call.tools) if call.messages else model.encode_prompt(call.prompt)
 
@@ -219,3 +226,26 @@ def load_rows(folder: Path) -> tuple[dict, list[TrainRow]]:
             except (json.JSONDecodeError, TypeError) as error:
                 raise ValueError(f"{folder / ROWS} line {number}: not a train row ({error})") from None
     return meta, rows
+
+
+def load_datasets(folders: list[Path]) -> tuple[dict, list[TrainRow]]:
+    """The rows of several train-data folders, in order, with one meta: their counts summed, the
+    workloads listed. All must come from the same target and dtype: rows of two targets cannot train one
+    drafter."""
+    metas, rows = [], []
+    for folder in folders:
+        meta, more = load_rows(folder)
+        metas.append(meta)
+        rows += more
+    first = metas[0]
+    for folder, meta in zip(folders[1:], metas[1:], strict=True):
+        if (meta.get("model"), meta.get("dtype")) != (first.get("model"), first.get("dtype")):
+            raise ValueError(f"{folder} holds answers of {meta.get('model')} ({meta.get('dtype')}), "
+                             f"{folders[0]} of {first.get('model')} ({first.get('dtype')})")
+    if len(metas) == 1:
+        return first, rows
+    merged = {**first, "workloads": [w for m in metas for w in m.get("workloads", [])],
+              "folders": [str(f) for f in folders]}
+    for key in ("rows", "heldout_rows", "response_tokens", "seconds"):
+        merged[key] = sum(m.get(key, 0) for m in metas)
+    return merged, rows

@@ -39,13 +39,14 @@ class World:
 
 
 def start() -> World:
-    """Join the process group torchrun describes in the environment (gloo on CPU, nccl on GPUs), or a
-    world of one when not launched by torchrun."""
+    """Join the process group torchrun describes in the environment, or a world of one when not launched
+    by torchrun. The backend is gloo even where CUDA is present: the drafter's tensors and the target's
+    features (computed by the CPU runner) live in host memory, and nccl reduces only device tensors."""
     size = int(os.environ.get("WORLD_SIZE", "1"))
     if size == 1:
         return World()
     if not dist.is_initialized():
-        dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+        dist.init_process_group("gloo")
     return World(dist.get_rank(), dist.get_world_size())
 
 

@@ -33,12 +33,15 @@ class TargetFeatures:
         self.tap_layers = tuple(sorted(set(tap_layers)))
         self.final_layer = target.shape.num_layers
         self.runner = TargetRunner(target, 1, max_len)
-        self._rows: dict[int, RowFeatures] = {}
+        self._rows: dict[tuple[tuple[int, ...], tuple[int, ...]], RowFeatures] = {}
 
-    def row(self, index: int, prompt_ids: list[int], response_ids: list[int]) -> RowFeatures:
-        if index not in self._rows:
-            self._rows[index] = self(prompt_ids, response_ids)
-        return self._rows[index]
+    def row(self, prompt_ids: list[int], response_ids: list[int]) -> RowFeatures:
+        """The row's features, computed on first use. Keyed by the row's tokens, not by its place in a
+        list: trainings that share this object may train on different rows (data fractions, datasets)."""
+        key = (tuple(prompt_ids), tuple(response_ids))
+        if key not in self._rows:
+            self._rows[key] = self(prompt_ids, response_ids)
+        return self._rows[key]
 
     @torch.inference_mode()
     def __call__(self, prompt_ids: list[int], response_ids: list[int]) -> RowFeatures:

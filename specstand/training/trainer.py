@@ -23,7 +23,7 @@ from specstand.drafters.nn import DrafterSpec, draft_vocabulary
 from specstand.drafters.target_parts import TargetParts
 from specstand.drafters.trained import BLOCK_METHODS, TRAINED, build_model, drafter_state, save_drafter
 from specstand.models import LoadedModel
-from specstand.training.data import load_rows
+from specstand.training.data import load_datasets, subset_turn
 from specstand.training.distributed import World
 from specstand.training.features import Pack, TargetFeatures, pack_rows, plan_packs
 from specstand.training.losses import target_to_draft
@@ -37,7 +37,7 @@ TRAIN_PLOT = "train_log.png"
 @dataclass
 class TrainConfig:
     method: str
-    data: str
+    data: list[str]  # train-data folders, their rows in order
     out: str
     steps: int = 500
     lr: float = 1e-3
@@ -46,6 +46,7 @@ class TrainConfig:
     pack_tokens: int = 2048
     max_len: int = 2048
     seed: int = 0
+    data_fraction: float = 1.0  # train on this share of the training turns (a stable, nested subset)
     save_every: int = 50
     num_layers: int = 0  # 0: the method's default (block methods 2, eagle3/mtp 1)
     intermediate_size: int = 0  # 0: the target's, capped at 1536 (sized for a CPU)
@@ -71,6 +72,10 @@ class TrainConfig:
             raise ValueError(f"unknown trained method {self.method!r} (choose from {', '.join(TRAINED)})")
         if self.steps < 1 or self.save_every < 1 or self.pack_tokens < 16:
             raise ValueError("--steps and --save-every must be >= 1, --pack-tokens >= 16")
+        if not 0 < self.data_fraction <= 1:
+            raise ValueError(f"--data-fraction {self.data_fraction} is not in (0, 1]")
+        if not self.data:
+            raise ValueError("no --data folder")
         if self.method in BLOCK_METHODS and self.block_size < 2:
             raise ValueError("a block drafter's block needs at least 2 positions")
         if self.position_weighting not in ("", "dpace", "exp"):
@@ -237,10 +242,11 @@ def train(
     random.seed(config.seed)
     out = Path(config.out)
     out.mkdir(parents=True, exist_ok=True)
-    meta, rows = load_rows(Path(config.data))
-    rows = [r for r in rows if r.split == "train" and r.response_ids]
+    meta, rows = load_datasets([Path(folder) for folder in config.data])
+    rows = [r for r in rows if r.split == "train" and r.response_ids and subset_turn(r.turn_id, config.data_fraction)]
     if not rows:
-        raise ValueError(f"{config.data} holds no training rows with a response")
+        raise ValueError(f"{', '.join(config.data)} holds no training rows with a response"
+                         + (f" in a {config.data_fraction} share of its turns" if config.data_fraction < 1 else ""))
     state_path = out / TRAINER_STATE
     state = _load_state(state_path, config)
     if state is not None:
@@ -286,7 +292,7 @@ def train(
         # rank must take part in the gradients' all-reduce
         share = world.share(schedule[step])
         mine = share or schedule[step][:1]
-        pack = pack_rows([features.row(i, rows[i].prompt_ids, rows[i].response_ids) for i in mine], spec.tap_layers)
+        pack = pack_rows([features.row(rows[i].prompt_ids, rows[i].response_ids) for i in mine], spec.tap_layers)
         for group in optimizer.param_groups:
             group["lr"] = learning_rate(config, step)
         generator = torch.Generator().manual_seed(config.seed * 1_000_003 + step + world.rank * 7_919)

@@ -22,7 +22,7 @@ def drafters(tiny_target, tiny_data, tmp_path_factory) -> dict[str, Path]:
     folders = {}
     for method in ("eagle3", "dflash", "dspark", "dflash2", "mtp"):
         folders[method] = tmp_path_factory.mktemp(method)
-        train(TrainConfig(method, str(tiny_data), str(folders[method]), steps=3, pack_tokens=256,
+        train(TrainConfig(method, [str(tiny_data)], str(folders[method]), steps=3, pack_tokens=256,
                           draft_vocab_size=48), tiny_target, log=lambda _: None)
     return folders
 
@@ -142,7 +142,7 @@ def test_import_of_a_zlab_dflash_checkpoint_drafts_like_the_original(tiny_target
     """A z-lab-style folder (Qwen3-like layer config + dflash_config, full vocabulary, no head) written from
     a drafter trained here with the full vocabulary; imported, it must draft the same tokens."""
     full = tmp_path / "full"
-    train(TrainConfig("dflash", str(tiny_data), str(full), steps=3, pack_tokens=256, draft_vocab_size=10_000),
+    train(TrainConfig("dflash", [str(tiny_data)], str(full), steps=3, pack_tokens=256, draft_vocab_size=10_000),
           tiny_target, log=lambda _: None)
     spec, tensors = read_drafter(full)
     assert spec.draft_vocab_size == spec.target_vocab_size

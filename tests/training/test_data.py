@@ -9,7 +9,16 @@ import pytest
 
 from specstand.cli import main
 from specstand.drafters import make_drafter
-from specstand.training.data import PARTIAL, PartialRows, generate_rows
+from specstand.training.data import (
+    PARTIAL,
+    PartialRows,
+    TrainRow,
+    generate_rows,
+    heldout_turn,
+    load_datasets,
+    save_rows,
+    subset_turn,
+)
 from specstand.verification import SamplingParams
 from specstand.workloads import save_workload
 from tests.conftest import tiny_turns
@@ -90,3 +99,27 @@ def test_answers_from_an_openai_compatible_endpoint_equal_local_ones(tiny_model_
         live.close()
     assert remote == generate_rows(tiny_target, turns, 0.25, GREEDY, 3, 512)
 
+
+
+def test_turn_subsets_are_nested_and_apart_from_the_heldout_split():
+    ids = [f"turn-{i}" for i in range(4000)]
+    quarter, half = ({t for t in ids if subset_turn(t, f)} for f in (0.25, 0.5))
+    assert quarter < half and all(subset_turn(t, 1.0) for t in ids)
+    assert abs(len(quarter) / len(ids) - 0.25) < 0.03 and abs(len(half) / len(ids) - 0.5) < 0.03
+    heldout = {t for t in ids if heldout_turn(t, 0.15)}
+    # another salt: the subset holds held-out turns at about their overall share, not all or none of them
+    assert abs(len(heldout & half) / len(half) - len(heldout) / len(ids)) < 0.03
+
+
+def test_several_folders_load_as_one_dataset_of_one_target(tmp_path):
+    def folder(name, model, count):
+        rows = [TrainRow(f"{name}-{i}", "c", "train", [1, 2], [3] * (i + 1)) for i in range(count)]
+        save_rows(tmp_path / name, rows, {"model": model, "dtype": "bf16", "workloads": [f"{name}.jsonl"]})
+        return tmp_path / name
+
+    a, b, other = folder("a", "m", 2), folder("b", "m", 3), folder("c", "another", 1)
+    meta, rows = load_datasets([a, b])
+    assert [r.turn_id for r in rows] == ["a-0", "a-1", "b-0", "b-1", "b-2"]
+    assert meta["rows"] == 5 and meta["response_tokens"] == 3 + 6 and meta["workloads"] == ["a.jsonl", "b.jsonl"]
+    with pytest.raises(ValueError, match="answers of another"):
+        load_datasets([a, other])

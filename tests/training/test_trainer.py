@@ -10,9 +10,9 @@ import torch
 from safetensors.torch import load_file
 
 from specstand.drafters import make_drafter
-from specstand.drafters.trained import TRAINED, load_drafter_model
+from specstand.drafters.trained import TRAINED, load_drafter_model, read_spec
 from specstand.engine import DecodeStats, Engine, EngineConfig, Request
-from specstand.training.data import load_rows
+from specstand.training.data import load_rows, subset_turn
 from specstand.training.features import TargetFeatures, pack_rows
 from specstand.training.losses import dpace_weights, target_to_draft
 from specstand.training.objectives import BLOCK_OBJECTIVES, chain_objective
@@ -28,7 +28,7 @@ def _loss(folder: Path, target, data: Path) -> float:
     pack = pack_rows([features(r.prompt_ids, r.response_ids) for r in rows if r.split == "train"],
                      model.spec.tap_layers)
     t2d = target_to_draft(model.d2t, model.spec.target_vocab_size)
-    config = TrainConfig(model.spec.method, str(data), "unused", anchors=512)
+    config = TrainConfig(model.spec.method, [str(data)], "unused", anchors=512)
     with torch.no_grad():
         if model.spec.method in BLOCK_OBJECTIVES:
             generator = torch.Generator().manual_seed(0)
@@ -130,7 +130,7 @@ class _Exploit:
 def test_resume_refuses_a_changed_config_and_unsafe_state(tiny_target, tiny_data, tmp_path):
     def config(**changes):
         settings = {"steps": 2, "pack_tokens": 256, "draft_vocab_size": 64, **changes}
-        return TrainConfig("mtp", str(tiny_data), str(tmp_path), **settings)
+        return TrainConfig("mtp", [str(tiny_data)], str(tmp_path), **settings)
 
     train(config(), tiny_target, log=lambda _: None)
     assert (tmp_path / "model.safetensors").is_file() and (tmp_path / TRAINER_STATE).is_file()
@@ -141,6 +141,32 @@ def test_resume_refuses_a_changed_config_and_unsafe_state(tiny_target, tiny_data
     torch.save({"step": 1, "config": {}, "payload": _Exploit()}, tmp_path / TRAINER_STATE)
     with pytest.raises(ValueError, match="cannot resume from"):
         train(config(steps=4), tiny_target, log=lambda _: None)
+
+
+def test_a_data_fraction_trains_on_its_subset_of_the_turns(tiny_target, tiny_data, tmp_path):
+    _, rows = load_rows(tiny_data)
+    wanted = sum(r.split == "train" and bool(r.response_ids) and subset_turn(r.turn_id, 0.5) for r in rows)
+    assert 0 < wanted < sum(r.split == "train" for r in rows)
+    train(TrainConfig("mtp", [str(tiny_data)], str(tmp_path), steps=1, pack_tokens=256, draft_vocab_size=64,
+                      data_fraction=0.5), tiny_target, log=lambda _: None)
+    assert read_spec(tmp_path).trained["train_rows"] == wanted
+    with pytest.raises(ValueError, match="not in"):
+        TrainConfig("mtp", [str(tiny_data)], str(tmp_path), data_fraction=0.0)
+
+
+def test_trainings_sharing_the_target_features_each_train_on_their_own_rows(tiny_target, tiny_data, tmp_path):
+    """One features object, a half-data run first: the full run then gets the same weights as with features of
+    its own (features are looked up by the row's tokens, not by its place in a run's list of rows)."""
+    def run(out: str, fraction: float, features: TargetFeatures | None = None) -> dict:
+        config = TrainConfig("dflash", [str(tiny_data)], str(tmp_path / out), steps=3, pack_tokens=128,
+                             draft_vocab_size=64, data_fraction=fraction)
+        return train(config, tiny_target, log=lambda _: None, features=features).state_dict()
+
+    taps = TRAINED["dflash"][0](tiny_target.decoder.shape.num_layers, 5)
+    shared = TargetFeatures(tiny_target.decoder, taps, 512)
+    run("half", 0.5, shared)
+    alone, after_half = run("alone", 1.0), run("shared", 1.0, shared)
+    assert all(torch.equal(alone[name], after_half[name]) for name in alone)
 
 
 @pytest.fixture(scope="module")
@@ -162,7 +188,7 @@ def family_drafters(tiny_target, tmp_path_factory) -> dict[tuple[str, str], Path
         save_rows(data, generate_rows(target, tiny_turns(), 0.2, SamplingParams(), 4, 512), {"model": family})
         for method in TRAINED:
             out = tmp_path_factory.mktemp(f"{family}-{method}")
-            train(TrainConfig(method, str(data), str(out), steps=8, pack_tokens=256, lr=3e-3, draft_vocab_size=64),
+            train(TrainConfig(method, [str(data)], str(out), steps=8, pack_tokens=256, lr=3e-3, draft_vocab_size=64),
                   target, log=lambda _: None)
             folders[family, method] = out
     return folders
@@ -205,7 +231,7 @@ def test_drafters_train_on_hybrid_targets_and_stay_lossless(family, tiny_target,
     plain = [r.output_ids for r in Engine(decoder, None, EngineConfig(5, 512, 1)).generate(requests)]
     for method in ("dflash", "eagle3"):
         out = tmp_path / method
-        train(TrainConfig(method, str(data), str(out), steps=8, pack_tokens=256, lr=3e-3, draft_vocab_size=64),
+        train(TrainConfig(method, [str(data)], str(out), steps=8, pack_tokens=256, lr=3e-3, draft_vocab_size=64),
               target, log=lambda _: None)
         drafter = make_drafter(method, decoder, drafter_path=out)
         drafted = Engine(decoder, drafter, EngineConfig(5, 512, 2)).generate(requests)

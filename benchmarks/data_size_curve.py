@@ -114,13 +114,10 @@ def main() -> None:
 def _write(out: Path, results: list[dict], say: Printed) -> None:
     """Both files renamed into place: a crash leaves the last whole version."""
     out.mkdir(parents=True, exist_ok=True)
-    for name, text in (("results.json", json.dumps(results, indent=1) + "\n"), ("results.txt", None)):
-        tmp = out / f".{name}.tmp"
-        if text is None:
-            say.write(tmp)
-        else:
-            tmp.write_text(text)
-        os.replace(tmp, out / name)
+    (out / ".results.json.tmp").write_text(json.dumps(results, indent=1) + "\n")
+    say.write(out / ".results.txt.tmp")
+    for name in ("results.json", "results.txt"):
+        os.replace(out / f".{name}.tmp", out / name)
 
 
 def _plot(path: Path, results: list[dict], evals: list[str], k: int) -> None:

@@ -83,17 +83,20 @@ def call_seed(seed: int, turn_id: str, call_id: str, sample: int) -> int:
     return int(hashlib.sha256(f"{seed}/{turn_id}/{call_id}/{sample}".encode()).hexdigest()[:15], 16)
 
 
+def _hash_share(key: str) -> float:
+    """Where a key falls in [0, 1], by its hash: stable whatever the order or the number of keys."""
+    return int(hashlib.sha256(key.encode()).hexdigest()[:8], 16) / 0xFFFFFFFF
+
+
 def heldout_turn(turn_id: str, fraction: float) -> bool:
     """A stable split: the turn id's hash decides, whatever the order or the number of turns."""
-    digest = int(hashlib.sha256(turn_id.encode()).hexdigest()[:8], 16)
-    return digest / 0xFFFFFFFF < fraction
+    return _hash_share(turn_id) < fraction
 
 
 def subset_turn(turn_id: str, fraction: float) -> bool:
     """A stable share of the turns, independent of the held-out split (another salt) and nested: the turns
     kept at a fraction are kept at every larger one, so a data-size curve adds data, never swaps it."""
-    digest = int(hashlib.sha256(f"subset/{turn_id}".encode()).hexdigest()[:8], 16)
-    return digest / 0xFFFFFFFF < fraction
+    return _hash_share(f"subset/{turn_id}") < fraction
 
 
 def prompt_ids(model: LoadedModel, call) -> list[int]:

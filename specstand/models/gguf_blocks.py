@@ -4,8 +4,9 @@ GGUF's Q8_0, Q5_0 and Q4_0 blocks are each 32 weights of one row sharing an fp16
 d x (an integer of 8, 5 or 4 bits): an int8 holds each integer, so those matrices are kept exactly as
 published. Other types (Q4_1, Q4_K, Q6_K, ...) have offsets or finer scales that Q8_0 cannot hold: they are
 dequantized exactly (gguf's own reference) and quantized to Q8_0 (kernels/q8_0.py), a step finer than the
-published 4-6 bits. `write` saves them under the transformers names beside the converted model
-(`q8_0.safetensors`); `--dtype q8_0` reads them instead of quantizing the bf16 copy.
+published 4-6 bits. `write` saves them under the transformers names in a subfolder of the converted model
+(`gguf_blocks/q8_0.safetensors`: vLLM loads every `*.safetensors` at a model folder's top, and would take
+the blocks for weights); `--dtype q8_0` reads them instead of quantizing the bf16 copy.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import torch
 
 from specstand.kernels import q8_0
 
-FILE = "q8_0.safetensors"
+FILE = "gguf_blocks/q8_0.safetensors"  # under the model folder
 ARCHITECTURES = ("llama", "qwen2")  # GGUF names mapped below; llama's q/k rows are permuted by its converter
 _LINEARS = {
     "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
@@ -103,6 +104,7 @@ def write(gguf_path: Path, out_path: Path) -> dict[str, int]:
             groups = heads if "q_proj" in name else kv_heads
             q, d = _unpermute(q, groups), _unpermute(d, groups)
         tensors[f"{name}.q"], tensors[f"{name}.d"] = q.contiguous(), d.contiguous()
+    out_path.parent.mkdir(parents=True, exist_ok=True)
     safetensors.torch.save_file(tensors, str(out_path), metadata={k: str(v) for k, v in counts.items()})
     return counts
 

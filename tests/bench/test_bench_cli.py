@@ -26,6 +26,10 @@ def test_bench_runs_methods_side_by_side(tmp_path, tiny_model_dir, capsys):
     raw = json.loads((out / "report.json").read_text())
     assert raw["complete"] and len(raw["runs"]) == 3 * 2
     assert raw["config"]["max_seq_len"] == 256  # sized from the workload: short prompts, 12-token answers
+    machine = raw["config"]["machine"]  # the figures' machine, bandwidth measured beside the run
+    assert machine["kernel_path"] in ("python", "scalar", "avx2", "avx512bf16", "amx") and machine["cpus"] >= 1
+    assert machine["read_gbs_start"] > 0 and machine["read_gbs_end"] > 0
+    assert f"kernel path of specstand's targets here: {machine['kernel_path']}" in (out / "report.md").read_text()
     ngram = raw["summary"]["ngram"]["1"][0]
     assert ngram["tau"] >= 1.0 and ngram["failed_calls"] == 0
     assert (out / "report.md").read_text().count("|") > 20

@@ -58,8 +58,12 @@ def test_table_marks_differences_inside_the_spread(tmp_path):
     assert "| broken JSON (finished answers) | 50.0% | 50.0% | 50.0% |" in table
     cut = summarize([_run("none", 1, 0, 1.0, ['{"a": 1}', "cut"])], workload, "none")["none"][1][0]
     assert cut["broken_json"] == 0.0 and cut["truncated_json"] == 0.5
-    write_report(tmp_path, {"workload": "w", "repeats": 2}, runs, workload, ["none", "fast", "same"], [1], "none",
-                 {}, complete=True)
+    machine = {"cpu": "Some CPU", "cpus": 2, "flags": ["avx2", "fma"], "kernel_path": "avx2", "read_gbs_start": 31.2,
+               "read_gbs_end": 29.8}
+    config = {"workload": "w", "repeats": 2, "machine": machine}
+    write_report(tmp_path, config, runs, workload, ["none", "fast", "same"], [1], "none", {}, complete=True)
+    assert ("Machine: Some CPU, 2 cpus; flags avx2 fma; kernel path of specstand's targets here: avx2; read bandwidth "
+            "31.2 GB/s at the start, 29.8 at the end.") in (tmp_path / "report.md").read_text()
     raw = json.loads((tmp_path / "report.json").read_text())
     assert raw["complete"] and len(raw["runs"]) == 6
     assert RunResult.from_dict(raw["runs"][2]).turns[0].calls[0].text == '{"a": 1}'

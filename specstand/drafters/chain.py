@@ -13,7 +13,14 @@ import torch
 from torch import nn
 
 from specstand.drafters.base import Draft, Drafter, HiddenRows, SequenceView, join_rows
-from specstand.drafters.nn import DecoderLayer, DrafterSpec, RMSNorm, append_keys_values, draw_drafts
+from specstand.drafters.nn import (
+    DecoderLayer,
+    DrafterSpec,
+    RMSNorm,
+    append_keys_values,
+    document_bias,
+    draw_drafts,
+)
 from specstand.drafters.target_parts import TargetParts
 
 
@@ -60,31 +67,53 @@ class ChainModel(nn.Module):
         return self.target.head(normed) if self.lm_head is None else self.lm_head(normed)
 
     def training_hidden(self, taps: torch.Tensor, tokens: torch.Tensor, positions: torch.Tensor,
-                        docs: torch.Tensor, steps: int) -> list[torch.Tensor]:
-        """Training-time test over a packed row: output hidden states [T, H] of every row j at each of
-        `steps` drafting steps (the loss takes `logits` of the rows it scores only). At step s, row j is
-        the s-th draft after real row j-s+1: it sees real rows up to j-s+1 and its own chain's rows of
-        steps 2..s (one each, on the diagonal), never other chains."""
-        count = len(tokens)
-        index = torch.arange(count)
-        same_doc = docs[:, None] == docs[None, :]
+                        docs: torch.Tensor, scored: list[torch.Tensor]) -> list[torch.Tensor]:
+        """Training-time test over a packed row: the output hidden states [T, H] at each drafting step s of
+        the rows `scored[s - 1]` the loss reads (other rows stay 0). At step s, row j is the s-th draft after
+        real row j-s+1: it sees real rows up to j-s+1 and its own chain's rows of steps 2..s (one each),
+        never other chains. Every row's keys and values of step 1 are computed (they are the context); the
+        queries, o_proj and MLP run only for the scored rows and the earlier steps of their chains, a few
+        percent of a pack whose loss is on response tokens."""
+        count, steps = len(tokens), len(scored)
+        chains_inside_documents(docs, scored)
+        needed = [scored[-1]] if steps else []
+        for s in range(steps - 1, 0, -1):  # step s of a chain continues from step s - 1 of the row before
+            needed.insert(0, torch.unique(torch.cat([scored[s - 1], needed[0] - 1])))
+        attention = self.layers[0].self_attn
         next_tokens = torch.cat([tokens[1:], tokens[-1:]])  # row j reads x_{j+1} (last row: unused)
         feature = self.features(taps)
-        keys, values, outputs = [], [], []
-        for s in range(1, steps + 1):
-            blocks = [(index[None, :] <= index[:, None] - s + 1) & same_doc]  # real rows of the chain
-            blocks += [(index[None, :] == index[:, None] - (s - t)) & same_doc for t in range(2, s + 1)]
-            visible = torch.cat(blocks, dim=1)
+        context_input = self._input(next_tokens, feature)
+        keys, values = attention.keys_values(context_input, positions)
+        key_rows = [torch.arange(count)]  # the packed row of each key, and the step that wrote it
+        key_steps = [torch.ones(count, dtype=torch.long)]
+        outputs, previous = [], None
+        for s, rows in enumerate(needed, start=1):
             if s == 1:
-                visible = visible | torch.eye(count, dtype=torch.bool)
-            bias = torch.zeros(visible.shape).masked_fill(~visible, float("-inf"))
-            past = (torch.cat(keys, 1), torch.cat(values, 1)) if keys else None
-            hidden, (k, v) = self.step(next_tokens, feature, positions, bias, past)
-            keys.append(k)
-            values.append(v)
-            outputs.append(hidden)
-            feature = torch.cat([hidden[:1], hidden[:-1]])  # row j now continues from row j-1's output
+                x, own = context_input[rows], feature[rows]
+            else:
+                own = previous[torch.searchsorted(needed[s - 2], rows - 1)]
+                x = self._input(next_tokens[rows], own)
+                k, v = attention.keys_values(x, positions[rows])
+                keys, values = torch.cat([keys, k], 1), torch.cat([values, v], 1)
+                key_rows.append(rows)
+                key_steps.append(torch.full((len(rows),), s))
+            all_rows, all_steps = torch.cat(key_rows), torch.cat(key_steps)
+            real = (all_steps == 1) & (all_rows[None, :] <= rows[:, None] - s + 1)
+            chain = (all_steps > 1) & (all_rows[None, :] == rows[:, None] - (s - all_steps[None, :]))
+            bias = document_bias(docs[rows], docs[all_rows], real | chain)
+            attended = attention.attend(x, positions[rows], keys, values, bias)
+            previous = self.layers[0].mlp_block(own + attended)
+            outputs.append(torch.zeros(count, previous.shape[1]).index_put((rows,), previous))
         return outputs
+
+
+def chains_inside_documents(docs: torch.Tensor, scored: list[torch.Tensor]) -> None:
+    """A row scored at step s is the end of a chain from real row j-s+1, which must lie in its document:
+    the training-time test reads no key across a document start (the objective scores no such row)."""
+    for s, rows in enumerate(scored, start=1):
+        anchors = rows - s + 1
+        if len(rows) and ((anchors < 0).any() or (docs[anchors.clamp_min(0)] != docs[rows]).any()):
+            raise ValueError(f"a row scored at step {s} starts its chain in another document")
 
 
 class ChainDrafter(Drafter):

@@ -121,12 +121,17 @@ class Attention(nn.Module):
     ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
         """Rows x [T, input] attend over `past` keys/values (first) and their own. `bias` [T, past + T] is
         added to the scores (None: every key visible). Returns the output and the rows' own keys/values."""
-        q = rope(self._heads(x, self.q_proj, self.q_norm), positions, self.spec.rope_theta)
         own = self.keys_values(x, positions)
-        k, v = append_keys_values(past, own)
+        return self.attend(x, positions, *append_keys_values(past, own), bias), own
+
+    def attend(self, x: torch.Tensor, positions: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+               bias: torch.Tensor | None) -> torch.Tensor:
+        """Rows x [T, input] attend over `keys`/`values` [kv heads, S, D], `bias` [T, S] added to the scores
+        (None: every key visible)."""
+        q = rope(self._heads(x, self.q_proj, self.q_norm), positions, self.spec.rope_theta)
         mask = None if bias is None else bias.to(q.dtype)
-        out = F.scaled_dot_product_attention(q[None], k[None], v[None], attn_mask=mask, enable_gqa=True)[0]
-        return self.o_proj(out.transpose(0, 1).reshape(len(x), -1)), own
+        out = F.scaled_dot_product_attention(q[None], keys[None], values[None], attn_mask=mask, enable_gqa=True)[0]
+        return self.o_proj(out.transpose(0, 1).reshape(len(x), -1))
 
 
     def attend_segments(self, x: torch.Tensor, positions: torch.Tensor, pasts: list[tuple | None],

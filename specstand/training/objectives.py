@@ -122,18 +122,20 @@ def chain_objective(model: ChainModel, pack: Pack, t2d: torch.Tensor, config: Tr
                     soft: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """Loss over the unrolled steps and accepted-prefix rate per step (chains anchored at real rows)."""
     steps = model.spec.train_steps
-    hidden = model.training_hidden(pack.taps, pack.tokens, pack.positions, pack.docs, steps)
     count = len(pack.tokens)
     index = torch.arange(count)
     source = (index + 1).clamp_max(count - 1)  # row j predicts token j+2, chosen by the target at j+1
     label = torch.where(index + 1 < count, pack.next_label[source], -1)
     labels = torch.where(label >= 0, t2d[label.clamp_min(0)], -1)
-    total, norm = 0.0, 0.0
-    hits = torch.zeros(steps, count, dtype=torch.bool)
+    scored = []  # step s scores the rows whose chain, real row j-s+1 to j+1, lies in one document
     for s in range(1, steps + 1):
         anchor = index - s + 1
         valid = (label >= 0) & (anchor >= 0) & (pack.docs[anchor.clamp_min(0)] == pack.docs[source])
-        rows = torch.nonzero(valid).flatten()
+        scored.append(torch.nonzero(valid).flatten())
+    hidden = model.training_hidden(pack.taps, pack.tokens, pack.positions, pack.docs, scored)
+    total, norm = 0.0, 0.0
+    hits = torch.zeros(steps, count, dtype=torch.bool)
+    for s, rows in enumerate(scored, start=1):
         if not len(rows):
             continue
         logits = model.logits(hidden[s - 1][rows])

@@ -126,3 +126,74 @@ def test_packing_keeps_the_state_dict_and_stays_close_to_the_fp32_layer(forward,
         want = reference.logits(reference.step(tokens, reference.features(taps), torch.arange(6), None, None)[0])
     # bf16 weights (and, on bf16 dot-product paths, activations) against fp32: within bf16's rounding
     assert float((got - want).abs().max()) < 0.05 * float(want.abs().max())
+
+
+def _dense_training_hidden(model: ChainModel, taps, tokens, positions, docs, steps: int) -> list[torch.Tensor]:
+    """The training-time test as first written: every row at every step, dense T x sT masks (the reference)."""
+    count = len(tokens)
+    index = torch.arange(count)
+    same_doc = docs[:, None] == docs[None, :]
+    next_tokens = torch.cat([tokens[1:], tokens[-1:]])
+    feature = model.features(taps)
+    keys, values, outputs = [], [], []
+    for s in range(1, steps + 1):
+        blocks = [(index[None, :] <= index[:, None] - s + 1) & same_doc]
+        blocks += [(index[None, :] == index[:, None] - (s - t)) & same_doc for t in range(2, s + 1)]
+        bias = torch.zeros(count, count * s).masked_fill(~torch.cat(blocks, dim=1), float("-inf"))
+        past = (torch.cat(keys, 1), torch.cat(values, 1)) if keys else None
+        hidden, (k, v) = model.step(next_tokens, feature, positions, bias, past)
+        keys.append(k)
+        values.append(v)
+        outputs.append(hidden)
+        feature = torch.cat([hidden[:1], hidden[:-1]])
+    return outputs
+
+
+def _pack(generator: torch.Generator) -> tuple[torch.Tensor, ...]:
+    """Two packed documents of 14 and 10 rows."""
+    docs = torch.tensor([0] * 14 + [1] * 10)
+    positions = torch.cat([torch.arange(14), torch.arange(10)])
+    tokens = torch.randint(0, VOCAB, (24,), generator=generator)
+    taps = torch.randn(24, len(TAPS) * HIDDEN, generator=generator)
+    return taps, tokens, positions, docs
+
+
+@pytest.mark.parametrize("share", [1.0, 0.3])
+def test_the_training_time_test_of_scored_rows_equals_the_dense_masks(share):
+    """Only the scored rows (and their chains' earlier steps) are computed, over a document-packed row:
+    the outputs and the gradients they send equal the dense construction's."""
+    generator = torch.Generator().manual_seed(3)
+    taps, tokens, positions, docs = _pack(generator)
+    steps = 4
+    scored = []
+    for s in range(1, steps + 1):
+        index = torch.arange(24)
+        anchor = index - s + 1
+        inside = (anchor >= 0) & (docs[anchor.clamp_min(0)] == docs)
+        scored.append(torch.nonzero(inside & (torch.rand(24, generator=generator) < share)).flatten())
+    weights = [torch.randn(24, HIDDEN, generator=generator) for _ in range(steps)]
+    grads = []
+    for build in ("sparse", "dense"):
+        model = _eagle3().train()
+        if build == "sparse":
+            hidden = model.training_hidden(taps, tokens, positions, docs, scored)
+        else:
+            hidden = _dense_training_hidden(model, taps, tokens, positions, docs, steps)
+        picked = [h[rows] for h, rows in zip(hidden, scored, strict=True)]
+        loss = sum((p * w[rows]).sum() for p, w, rows in zip(picked, weights, scored, strict=True))
+        loss.backward()
+        grads.append(([p.detach() for p in picked], {n: q.grad.clone() for n, q in model.named_parameters()
+                                                     if q.grad is not None}))
+    (sparse, sparse_grads), (dense, dense_grads) = grads
+    for a, b in zip(sparse, dense, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+    assert sparse_grads.keys() == dense_grads.keys()
+    for name in dense_grads:
+        torch.testing.assert_close(sparse_grads[name], dense_grads[name], rtol=1e-4, atol=1e-5, msg=name)
+
+
+def test_a_scored_chain_must_start_in_its_document():
+    taps, tokens, positions, docs = _pack(torch.Generator().manual_seed(4))
+    model = _eagle3()
+    with pytest.raises(ValueError, match="step 2"):  # row 14 starts document 1: its step-2 chain starts at row 13
+        model.training_hidden(taps, tokens, positions, docs, [torch.tensor([3]), torch.tensor([14])])

@@ -228,7 +228,8 @@ def test_a_base_model_serves_completions_and_refuses_chat(tmp_path):
     try:
         served = live.client.models.list().data[0].id
         completion = live.client.completions.create(model=served, prompt="w3 w4 w5 w3 w4", max_tokens=8)
-        assert completion.choices[0].text
+        # answered (the random model's tokens may all be special ones, which decode to no text)
+        assert completion.choices[0].finish_reason in ("stop", "length")
         refused = httpx.post(live.url + "/v1/chat/completions", json={
             "model": served, "messages": [{"role": "user", "content": "w3"}], "max_tokens": 4}, timeout=30)
         assert refused.status_code == 400 and "no chat template" in refused.json()["error"]["message"]

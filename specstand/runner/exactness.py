@@ -2,9 +2,11 @@
 
 Greedy speculative decoding is only token-identical to plain decoding if a row's logits do not depend on
 how many rows share its pass. Whether a kernel keeps rows independent depends on the BLAS path chosen for
-each matrix shape (here, measured: bf16 linears are row-independent for any row count; fp32 ones differ
-for small odd counts). Shapes, not values, select kernels, so running the real model over random tokens in
-every pass size we will use is a sound check.
+each matrix shape (fp32 ones differ for small odd counts on the CPUs seen). Shapes, not values, select
+kernels, so running the real model over random tokens in every pass size we will use finds every fp32
+difference. It cannot vouch for bf16 outputs: their rounding hides a changed fp32 accumulation order
+almost always, so the Python forward computes bf16 rows of a decode/verify pass one at a time
+(transformer.linear) and the compiled kernels are row-invariant by construction.
 """
 
 from __future__ import annotations

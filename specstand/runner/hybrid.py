@@ -33,9 +33,9 @@ class GatedMLP:
     down: Linear
     activation: Callable[[torch.Tensor], torch.Tensor]
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up(x).chunk(2, dim=-1)
-        return self.down(self.activation(gate) * up)
+    def __call__(self, x: torch.Tensor, rows_alone: bool = False) -> torch.Tensor:
+        gate, up = self.gate_up(x, rows_alone).chunk(2, dim=-1)
+        return self.down(self.activation(gate) * up, rows_alone)
 
 
 @dataclass
@@ -53,9 +53,9 @@ class SparseMoE:
     shared: GatedMLP
     shared_gate: Linear  # [1, hidden]
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+    def __call__(self, x: torch.Tensor, rows_alone: bool = False) -> torch.Tensor:
         rows = x.reshape(-1, x.shape[-1])
-        weights, chosen = torch.topk(torch.softmax(self.router(rows).float(), dim=-1), self.top_k, dim=-1)
+        weights, chosen = torch.topk(torch.softmax(self.router(rows, rows_alone).float(), dim=-1), self.top_k, dim=-1)
         if self.normalise:
             weights = weights / weights.sum(dim=-1, keepdim=True)
         weights = weights.to(x.dtype)
@@ -68,7 +68,7 @@ class SparseMoE:
             else:
                 y = torch.cat([expert(rows[r : r + 1]) for r in row.tolist()])
             out.index_add_(0, row, y * weights[row, slot, None])
-        out = out + torch.sigmoid(self.shared_gate(rows)) * self.shared(rows)
+        out = out + torch.sigmoid(self.shared_gate(rows, rows_alone)) * self.shared(rows, rows_alone)
         return out.reshape(x.shape)
 
     def linears(self) -> list[Linear]:
@@ -88,7 +88,7 @@ class HybridLayer:
     def __call__(self, hidden: torch.Tensor, positions: torch.Tensor, ctx: PassContext) -> torch.Tensor:
         mixed = self.mixer(self.mixer_norm(hidden), positions, ctx)
         hidden = hidden + (mixed if self.post_mixer_norm is None else self.post_mixer_norm(mixed))
-        out = self.mlp(self.mlp_norm(hidden))
+        out = self.mlp(self.mlp_norm(hidden), ctx.rows_alone)
         return hidden + (out if self.post_mlp_norm is None else self.post_mlp_norm(out))
 
 
@@ -237,7 +237,7 @@ class HybridModel:
             taps[self.shape.num_layers] = hidden
         if logits_at is not None:
             hidden = hidden[torch.arange(len(logits_at)), logits_at][:, None]
-        logits = w.head(hidden).float()
+        logits = w.head(hidden, ctx.rows_alone).float()
         if w.logit_softcap:
             logits = torch.tanh(logits / w.logit_softcap) * w.logit_softcap
         return logits, taps

@@ -16,13 +16,14 @@ import torch.nn.functional as F
 
 from specstand.kernels import q8_0
 from specstand.runner.state_cache import StateCache
-from specstand.runner.transformer import _AttentionRun, attend, attention_runs
+from specstand.runner.transformer import _AttentionRun, attend, attention_runs, linear
 
 
 class Linear:
     """y = x W^T (+ b), in the model dtype. Packed for a compiled kernel path (`pack`), every row is
     computed by the same instruction sequence whatever the row count (batch-invariant by construction,
-    fp32 accumulation); otherwise torch's F.linear, whose row-invariance the start-up probe checks."""
+    fp32 accumulation); otherwise torch's F.linear: bf16 rows of a pass that is not a prompt's each alone
+    (transformer.linear), fp32 ones as the start-up probe finds them."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
         self.weight, self.bias = weight, bias
@@ -38,9 +39,11 @@ class Linear:
         else:
             self.packed = module.Linear(self.weight, isa)
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+    def __call__(self, x: torch.Tensor, rows_alone: bool = False) -> torch.Tensor:
+        """`rows_alone`: a pass whose rows must not depend on each other's count (see transformer.linear);
+        packed kernels are row-invariant anyway."""
         if self.packed is None:
-            return F.linear(x, self.weight, self.bias)
+            return linear(x, self.weight, self.bias, rows_alone and x.dtype == torch.bfloat16)
         y = self.packed.forward(x)  # fp32
         if self.bias is not None:
             y = y + self.bias.float()
@@ -78,6 +81,12 @@ class PassContext:
     def build(cls, start_positions: list[int], slots: list[int], real_rows: list[int], cache: StateCache,
               prompt: bool) -> PassContext:
         return cls(start_positions, slots, real_rows, cache, prompt, {})
+
+    @property
+    def rows_alone(self) -> bool:
+        """Whether torch's linears compute each row alone: in every pass but a prompt's (a prompt block
+        has one shape, so its rows depend on the block alone)."""
+        return not self.prompt
 
     def rows_to_keep(self, start: int, real: int) -> list[int]:
         return self.cache.rows_to_keep(start, real, every_row=not self.prompt)
@@ -118,13 +127,13 @@ class Attention:
     def __call__(self, x: torch.Tensor, positions: torch.Tensor, ctx: PassContext) -> torch.Tensor:
         batch, width, _ = x.shape
         d = self.head_dim
-        q = self.q(x).view(batch, width, self.num_heads, -1)
+        q = self.q(x, ctx.rows_alone).view(batch, width, self.num_heads, -1)
         gate = None
         if self.gated:
             q, gate = q.split([d, d], dim=-1)
             gate = gate.reshape(batch, width, -1)
-        k = self.k(x).view(batch, width, self.num_kv_heads, d)
-        v = self.v(x).view(batch, width, self.num_kv_heads, d)
+        k = self.k(x, ctx.rows_alone).view(batch, width, self.num_kv_heads, d)
+        v = self.v(x, ctx.rows_alone).view(batch, width, self.num_kv_heads, d)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         cos, sin = self.cos[positions][:, :, None], self.sin[positions][:, :, None]
@@ -141,7 +150,7 @@ class Attention:
         out = torch.stack(outs).to(x.dtype).transpose(1, 2).reshape(batch, width, -1)
         if gate is not None:
             out = out * torch.sigmoid(gate)
-        return self.o(out)
+        return self.o(out, ctx.rows_alone)
 
 
 def _causal_conv(window: torch.Tensor, weight: torch.Tensor, rows: int) -> torch.Tensor:
@@ -175,7 +184,7 @@ class ShortConv:
         return [((self.conv.shape[1] - 1, self.conv.shape[0]), dtype)]
 
     def __call__(self, x: torch.Tensor, positions: torch.Tensor, ctx: PassContext) -> torch.Tensor:
-        b_, c_, x_ = self.in_proj(x).chunk(3, dim=-1)
+        b_, c_, x_ = self.in_proj(x, ctx.rows_alone).chunk(3, dim=-1)
         bx = b_ * x_
         taps = self.conv.shape[1]
         outs = []
@@ -187,7 +196,7 @@ class ShortConv:
             outs.append(conv.to(x.dtype))
             kept = ctx.rows_to_keep(start, real)
             ctx.cache.record(slot, self.state, start, {t: window[t + 1 : t + taps] for t in kept})
-        return self.out_proj(c_ * torch.stack(outs))
+        return self.out_proj(c_ * torch.stack(outs), ctx.rows_alone)
 
 
 @dataclass
@@ -217,10 +226,11 @@ class GatedDeltaNet:
 
     def __call__(self, x: torch.Tensor, positions: torch.Tensor, ctx: PassContext) -> torch.Tensor:
         batch, width, _ = x.shape
-        mixed = self.in_qkv(x)
-        z = self.in_z(x).view(batch, width, self.num_v_heads, self.head_v_dim)
-        beta = torch.sigmoid(self.in_b(x)).float()
-        decay = -self.a_log.float().exp() * F.softplus(self.in_a(x).float() + self.dt_bias.float())
+        alone = ctx.rows_alone
+        mixed = self.in_qkv(x, alone)
+        z = self.in_z(x, alone).view(batch, width, self.num_v_heads, self.head_v_dim)
+        beta = torch.sigmoid(self.in_b(x, alone)).float()
+        decay = -self.a_log.float().exp() * F.softplus(self.in_a(x, alone).float() + self.dt_bias.float())
         taps = self.conv.shape[1]
         outs = []
         for b, (slot, start, real) in enumerate(zip(ctx.slots, ctx.start_positions, ctx.real_rows, strict=True)):
@@ -233,7 +243,7 @@ class GatedDeltaNet:
             outs.append(out)
         core = torch.stack(outs)  # [B, T, value heads, dv] fp32
         gated = self.norm(core) * F.silu(z.float())
-        return self.out_proj(gated.to(x.dtype).reshape(batch, width, -1))
+        return self.out_proj(gated.to(x.dtype).reshape(batch, width, -1), alone)
 
     def _delta_rule(self, qkv: torch.Tensor, beta: torch.Tensor, decay: torch.Tensor, state: torch.Tensor,
                     real: int) -> tuple[torch.Tensor, list[torch.Tensor]]:

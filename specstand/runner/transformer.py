@@ -52,6 +52,19 @@ class Weights:
         return Weights(self.embed_tokens, layers, cast(self.final_norm), self.lm_head)
 
 
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+           rows_alone: bool = False) -> torch.Tensor:
+    """torch's F.linear; `rows_alone` computes every row in a 1-row call of its own. Needed for bf16 rows
+    whose result must not depend on the pass: torch's bf16 GEMMs accumulate in fp32 in an order that can
+    depend on the row count, and the rounding to bf16 hides it from the start-up probe almost always
+    (measured on a Zen 4: 2 in 10^4 outputs of Qwen's down projection differ between a 1-row and a 2-row
+    call, and a tiny Qwen3.5's probe passed while it answered 3 requests at a time differently)."""
+    rows = x.reshape(-1, x.shape[-1])
+    if not rows_alone or rows.shape[0] == 1:
+        return F.linear(x, weight, bias)
+    return torch.cat([F.linear(row, weight, bias) for row in rows.split(1)]).reshape(*x.shape[:-1], -1)
+
+
 def has_fast_bf16_matmul() -> bool:
     """True where the CPU has bf16 matrix instructions (AVX512-BF16 or AMX). Without them a bf16 GEMM
     costs about one GEMV per row (measured on an AVX2 EPYC: 8 rows cost 7.5x one row, in fp32 2.1x)."""
@@ -205,6 +218,7 @@ class DecoderModel:
         num_layers the final normed state before the head). `prefill` computes with the prefill weights.
         """
         weights = self.prefill_weights if prefill else self.weights
+        alone = not prefill and self.dtype == torch.bfloat16  # see `linear`; prompt blocks are one shape
         s = self.shape
         width = tokens.shape[1]
         positions = torch.tensor(start_positions)[:, None] + torch.arange(width)[None]
@@ -219,9 +233,10 @@ class DecoderModel:
         for index, layer in enumerate(weights.layers):
             attn_in = self.rms_norm(hidden, layer.input_norm)
             hidden = hidden + self._attention(attn_in, layer, rope, slots, start_positions, runs,
-                                              cache.keys[index], cache.values[index])
-            gate, up = F.linear(self.rms_norm(hidden, layer.post_attention_norm), layer.gate_up).chunk(2, dim=-1)
-            hidden = hidden + F.linear(F.silu(gate) * up, layer.down)
+                                              cache.keys[index], cache.values[index], alone)
+            mlp_in = self.rms_norm(hidden, layer.post_attention_norm)
+            gate, up = linear(mlp_in, layer.gate_up, rows_alone=alone).chunk(2, dim=-1)
+            hidden = hidden + linear(F.silu(gate) * up, layer.down, rows_alone=alone)
             if index + 1 in tap_layers and index + 1 != s.num_layers:
                 taps[index + 1] = hidden
         hidden = self.rms_norm(hidden, weights.final_norm)
@@ -229,7 +244,7 @@ class DecoderModel:
             taps[s.num_layers] = hidden
         if logits_at is not None:
             hidden = hidden[torch.arange(len(logits_at)), logits_at][:, None]
-        return F.linear(hidden.to(weights.lm_head.dtype), weights.lm_head).float(), taps
+        return linear(hidden.to(weights.lm_head.dtype), weights.lm_head, rows_alone=alone).float(), taps
 
     def _attention(
         self,
@@ -241,10 +256,11 @@ class DecoderModel:
         runs: list[list[_AttentionRun]],
         keys: torch.Tensor,
         values: torch.Tensor,
+        alone: bool,
     ) -> torch.Tensor:
         s = self.shape
         batch, width, _ = x.shape
-        qkv = F.linear(x, layer.qkv, layer.qkv_bias).view(batch, width, -1, s.head_dim)
+        qkv = linear(x, layer.qkv, layer.qkv_bias, alone).view(batch, width, -1, s.head_dim)
         qk, v = qkv.split([s.num_heads + s.num_kv_heads, s.num_kv_heads], dim=2)
         if layer.q_norm is not None:
             q, k = qk.split([s.num_heads, s.num_kv_heads], dim=2)
@@ -261,7 +277,8 @@ class DecoderModel:
             parts = [attend(q[b, :, r.row : r.row + r.rows], slot_keys, slot_values, r) for r in runs[b]]
             outs.append(parts[0] if len(parts) == 1 else torch.cat(parts, dim=1))
         out = outs[0][None] if batch == 1 else torch.stack(outs)  # [B, H, T, D]
-        return F.linear(out.to(x.dtype).transpose(1, 2).reshape(batch, width, s.q_size), layer.o_proj)
+        out = out.to(x.dtype).transpose(1, 2).reshape(batch, width, s.q_size)
+        return linear(out, layer.o_proj, rows_alone=alone)
 
 
 def attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, run: _AttentionRun,

@@ -2,7 +2,7 @@ import pytest
 import torch
 
 from specstand.runner import PassInput, TargetRunner
-from specstand.runner.transformer import DecoderModel
+from specstand.runner.transformer import DecoderModel, linear
 from tests.conftest import FAMILIES, tiny_hf_model
 
 
@@ -50,3 +50,17 @@ def test_prefill_returns_last_logits_and_all_taps(fp32_prefill):
     out = runner.prefill(runner.cache.allocate(), ids[0].tolist(), tap_layers=(1,))
     assert out.logits.shape == (1, 96) and out.taps[1].shape == (33, 64)
     torch.testing.assert_close(out.logits, reference.logits[0, -1:].float(), atol=0.05, rtol=0.05)
+
+
+@pytest.mark.parametrize(("out_features", "in_features"), [(64, 64), (896, 4864)])  # torch varies on both (Zen 4)
+def test_bf16_rows_computed_alone_do_not_depend_on_the_row_count(out_features, in_features):
+    """torch's bf16 GEMM may round row i differently with M rows than with 1 (rarely: the bf16 rounding
+    hides its fp32 accumulation order); `linear(rows_alone=True)` gives every row its 1-row result."""
+    generator = torch.Generator().manual_seed(0)
+    weight = (torch.randn(out_features, in_features, generator=generator) * 0.1).bfloat16()
+    x = torch.randn(256 if out_features < 256 else 32, in_features, generator=generator).bfloat16()
+    alone = torch.cat([torch.nn.functional.linear(row, weight) for row in x.split(1)])
+    for rows in (2, 3, 5, 8, 16, 32):
+        together = torch.cat([linear(x[i : i + rows][None], weight, rows_alone=True)[0]
+                              for i in range(0, len(x), rows)])
+        assert torch.equal(together, alone), rows

@@ -43,7 +43,7 @@ class Linear:
         """`rows_alone`: a pass whose rows must not depend on each other's count (see transformer.linear);
         packed kernels are row-invariant anyway."""
         if self.packed is None:
-            return linear(x, self.weight, self.bias, rows_alone and x.dtype == torch.bfloat16)
+            return linear(x, self.weight, self.bias, rows_alone)
         y = self.packed.forward(x)  # fp32
         if self.bias is not None:
             y = y + self.bias.float()

@@ -54,13 +54,14 @@ class Weights:
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
            rows_alone: bool = False) -> torch.Tensor:
-    """torch's F.linear; `rows_alone` computes every row in a 1-row call of its own. Needed for bf16 rows
-    whose result must not depend on the pass: torch's bf16 GEMMs accumulate in fp32 in an order that can
-    depend on the row count, and the rounding to bf16 hides it from the start-up probe almost always
+    """torch's F.linear; `rows_alone` computes every bf16 row in a 1-row call of its own, for rows whose
+    result must not depend on the pass (fp32 rows are left to the start-up probe, whose logits show any
+    difference): torch's bf16 GEMMs accumulate in fp32 in an order that can depend on the row count, and
+    the rounding to bf16 hides it from the start-up probe almost always
     (measured on a Zen 4: 2 in 10^4 outputs of Qwen's down projection differ between a 1-row and a 2-row
     call, and a tiny Qwen3.5's probe passed while it answered 3 requests at a time differently)."""
     rows = x.reshape(-1, x.shape[-1])
-    if not rows_alone or rows.shape[0] == 1:
+    if not rows_alone or x.dtype != torch.bfloat16 or rows.shape[0] == 1:
         return F.linear(x, weight, bias)
     return torch.cat([F.linear(row, weight, bias) for row in rows.split(1)]).reshape(*x.shape[:-1], -1)
 
@@ -218,7 +219,7 @@ class DecoderModel:
         num_layers the final normed state before the head). `prefill` computes with the prefill weights.
         """
         weights = self.prefill_weights if prefill else self.weights
-        alone = not prefill and self.dtype == torch.bfloat16  # see `linear`; prompt blocks are one shape
+        alone = not prefill  # see `linear`; a prompt block has one shape, so its rows depend on it alone
         s = self.shape
         width = tokens.shape[1]
         positions = torch.tensor(start_positions)[:, None] + torch.arange(width)[None]

@@ -210,25 +210,37 @@ class _TrainLog:
                     + "\n")
 
     def plot(self, out: Path) -> None:
-        import matplotlib
-
-        matplotlib.use("Agg")
         import matplotlib.pyplot as plt
 
-        entries = [json.loads(line) for line in self.path.read_text().splitlines()]
-        steps = [e["step"] for e in entries]
-        fig, (left, right) = plt.subplots(1, 2, figsize=(10, 3.5))
-        left.plot(steps, [e["loss"] for e in entries])
-        left.set(xlabel="step", ylabel="loss", title="training loss")
-        for position in range(min(len(entries[-1]["accepted"]), 4)):
-            right.plot(steps, [e["accepted"][position] for e in entries], label=f"position {position}")
-        right.set(xlabel="step", ylabel="acceptance", title="acceptance per draft position", ylim=(0, 1))
-        right.legend()
-        fig.tight_layout()
+        fig = training_figure([json.loads(line) for line in self.path.read_text().splitlines()])
         tmp = out.with_name(f".{out.name}.tmp.png")
         fig.savefig(tmp)
         plt.close(fig)
         os.replace(tmp, out)
+
+
+def training_figure(entries: list[dict]):  # -> matplotlib Figure
+    """Loss and acceptance per draft position over the steps of train_log.jsonl's `entries`: every position
+    the drafter proposes (a 7-step chain's deep positions are where it differs from a 3-step one), shaded
+    from the first to the last."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    steps = [e["step"] for e in entries]
+    positions = len(entries[-1]["accepted"])
+    fig, (left, right) = plt.subplots(1, 2, figsize=(10, 3.5))
+    left.plot(steps, [e["loss"] for e in entries])
+    left.set(xlabel="step", ylabel="loss", title="training loss")
+    colours = plt.get_cmap("viridis")
+    for position in range(positions):
+        right.plot(steps, [e["accepted"][position] for e in entries], label=f"position {position}",
+                   color=colours(position / max(positions - 1, 1)))
+    right.set(xlabel="step", ylabel="acceptance", title="acceptance per draft position", ylim=(0, 1))
+    right.legend(fontsize="small", ncol=2 if positions > 4 else 1)
+    fig.tight_layout()
+    return fig
 
 
 def train(

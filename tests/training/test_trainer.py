@@ -16,7 +16,7 @@ from specstand.training.data import load_rows, subset_turn
 from specstand.training.features import TargetFeatures, pack_rows
 from specstand.training.losses import dpace_weights, target_to_draft
 from specstand.training.objectives import BLOCK_OBJECTIVES, chain_objective
-from specstand.training.trainer import TRAINER_STATE, TrainConfig, train
+from specstand.training.trainer import TRAINER_STATE, TrainConfig, train, training_figure
 from specstand.verification import SamplingParams
 from tests.conftest import FORWARDS, LONG_RUN, tiny_decoder
 
@@ -237,3 +237,15 @@ def test_drafters_train_on_hybrid_targets_and_stay_lossless(family, tiny_target,
         drafted = Engine(decoder, drafter, EngineConfig(5, 512, 2)).generate(requests)
         assert [r.output_ids for r in drafted] == plain, method
         assert sum(r.stats.passes_with_draft for r in drafted) > 0, method
+
+
+def test_the_training_plot_shows_every_draft_position():
+    """A 7-step drafter's plot drew positions 0-3 only: its deep positions, where it differs, were missing."""
+    import matplotlib.pyplot as plt
+
+    entries = [{"step": step, "loss": 1.0 / step, "accepted": [0.9 - 0.1 * i for i in range(7)]} for step in (1, 2)]
+    fig = training_figure(entries)
+    acceptance = fig.axes[1]
+    assert [line.get_label() for line in acceptance.get_lines()] == [f"position {i}" for i in range(7)]
+    assert list(acceptance.get_lines()[6].get_ydata()) == pytest.approx([0.3, 0.3])
+    plt.close(fig)

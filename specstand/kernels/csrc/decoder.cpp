@@ -3,7 +3,14 @@
 // requests at once. The hidden state stays fp32 between ops; only the linear kernel's path decides where
 // activations are rounded (to bf16 on amx and avx512bf16). Every op is row-local or per (row, head) with a fixed
 // order, so a row's logits do not depend on the other rows of the pass.
-#include <torch/extension.h>
+//
+// Included: torch's pybind11 glue (its at::Tensor caster) and the ATen ops used, not torch/extension.h,
+// which also parses torch's whole C++ frontend (about 30 s of compile a file).
+#include <torch/csrc/utils/pybind.h>  // first: it includes Python.h
+
+#include <ATen/Parallel.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/from_blob.h>
 
 #include <chrono>
 #include <map>

@@ -14,6 +14,7 @@
 #include "tiles.h"
 
 #include <ATen/Parallel.h>
+#include <ATen/ops/zeros.h>
 #include <immintrin.h>
 
 #include <vector>

@@ -1,7 +1,8 @@
 // Batch-invariant linear y[m, n] = sum_k x[m, k] * W[n, k] on packed bf16 weights, fp32 accumulation.
 #pragma once
 
-#include <torch/extension.h>
+// ATen's Tensor alone, not torch/extension.h (about 30 s of compile for each file that includes it)
+#include <ATen/core/Tensor.h>
 
 #include "common.h"
 

@@ -16,6 +16,7 @@
 // Every path's block sums are therefore the same integers, and the epilogue the same fp32 operations: a
 // Q8_0 linear gives the same bits on every CPU (unlike bf16, where the paths round differently).
 #include <ATen/Parallel.h>
+#include <ATen/ops/zeros.h>
 #include <immintrin.h>
 
 #include <cmath>

@@ -8,6 +8,12 @@ the B that maximises tokens per second, and each request keeps its share of that
 load a pass of many rows costs more, so drafts shrink; when no budget beats plain decoding, drafting
 itself pauses (and is probed again later, so the estimates stay fresh).
 
+Tokens per second over all requests is not what a user feels: a request whose draft fails waits on the
+others' longer pass and gets one token, as plain decoding would have given it in a shorter step. So each
+request keeps a ledger of the seconds it has fallen behind plain decoding (each step's predicted cost
+against the tokens it got, priced at a plain step), and only budgets that keep every request within its
+allowance (one plain step plus a small share of the plain time of what it has got so far) are taken.
+
 Cutting a draft never changes an answer: the target verifies whatever prefix is left.
 """
 
@@ -144,19 +150,38 @@ def profile_pass_cost(run_pass: Callable[[int, int], None], max_rows: int, conte
 
 
 def choose_budget(survival: list[np.ndarray], verify_cost: Callable[[int, float], float], draft_cost: float,
-                  contexts: list[int] | None = None) -> list[int]:
+                  contexts: list[int] | None = None, allowance: list[float] | None = None) -> list[int]:
     """Draft tokens to verify per request: the B most likely positions over all requests, B maximising
     (requests + their summed survival) / (draft_cost + verify_cost(requests + B rows, the keys they
-    attend over)); request r's rows each attend over its `contexts[r]` cached positions."""
+    attend over)); request r's rows each attend over its `contexts[r]` cached positions.
+
+    With `allowance`, request r may be charged at most `allowance[r]` seconds beyond what plain decoding
+    would have taken for the tokens it expects (1 + its summed survival, at a plain pass each): budgets
+    past any request's allowance are out, and if every budget is, the one that overshoots least is taken."""
     requests = len(survival)
     contexts = contexts or [0] * requests
     ranked = sorted(((float(s), r) for r, row in enumerate(survival) for s in row), reverse=True)
     keys = float(sum(contexts))
-    expected, best, best_budget = float(requests), requests / (draft_cost + verify_cost(requests, keys)), 0
+    plain = verify_cost(requests, keys)
+    # the most seconds a step may take for each request: its expected tokens at plain passes + allowance
+    limits = None if allowance is None else [plain + a for a in allowance]
+
+    def judged(budget: int, expected: float, seconds: float) -> tuple[bool, float, int]:
+        """Sort key: within every allowance first, then tokens per second (or the least overshoot)."""
+        if limits is None:
+            return True, expected / seconds, -budget
+        overshoot = seconds - min(limits)
+        return overshoot <= 0, expected / seconds if overshoot <= 0 else -overshoot, -budget
+
+    best_budget = 0
+    best = judged(0, float(requests), draft_cost + plain)
+    expected = float(requests)
     for budget, (score, r) in enumerate(ranked, start=1):
         expected += score
         keys += contexts[r]
-        value = expected / (draft_cost + verify_cost(requests + budget, keys))
+        if limits is not None:
+            limits[r] += score * plain
+        value = judged(budget, expected, draft_cost + verify_cost(requests + budget, keys))
         if value > best:
             best, best_budget = value, budget
     counts = [0] * requests
@@ -188,12 +213,17 @@ class AdaptiveVerifier:
     _backoff: int = 0
     _probing: bool = False  # the first drafting step after a pause verifies a token of every draft
     _probe_step: bool = False  # this step is such a probe: its outcomes refit the estimate at once
+    # a request may fall behind plain decoding by one plain step plus this share of the plain time of its
+    # tokens (a lag that only grows would block every request's drafts behind one whose drafts fail)
+    lag_share: float = 0.05
+    _ledger: dict[int, _Ledger] = field(default_factory=dict)  # request id -> its account
+    _step: _Step | None = None  # the step `trim` cut, until the next (None: a step without drafting)
 
     def __post_init__(self) -> None:
         self.depth = self.max_depth
 
     def should_draft(self) -> bool:
-        self._probe_step = False
+        self._probe_step, self._step = False, None
         if self._pause > 0:
             self._pause -= 1
             self._probing = self._pause == 0
@@ -207,17 +237,33 @@ class AdaptiveVerifier:
     def record_draft_time(self, seconds: float) -> None:
         self.draft_times.append(seconds)
 
-    def trim(self, drafts: list[Draft], contexts: list[int]) -> list[Draft]:
+    def trim(self, drafts: list[Draft], contexts: list[int], request_ids: list[int] | None = None) -> list[Draft]:
         """Cut each draft (of a request with `contexts[i]` cached positions) to its share of the step's
         budget; pause drafting if no budget paid for it. Until the acceptance estimate has outcomes to
         stand on (or the drafter's confidence is calibrated), drafts are verified whole: cutting them on a
-        guess would starve the estimate of the outcomes it needs."""
-        if not any(d.tokens for d in drafts):
-            return drafts
-        if not self.acceptance.fitted and not any(d.calibrated for d in drafts):
-            return drafts
+        guess would starve the estimate of the outcomes it needs. With `request_ids` (stable across
+        steps) each request's ledger bounds the budget, and the step is charged to it in `observe`."""
+        request_ids = list(range(len(drafts))) if request_ids is None else request_ids
+        self._ledger = {r: self._ledger.get(r, _Ledger()) for r in request_ids}  # the finished drop out
+        keys = sum(contexts)
+        plain_seconds = self.pass_cost(len(drafts), keys)
+        if not any(d.tokens for d in drafts) or (
+            not self.acceptance.fitted and not any(d.calibrated for d in drafts)
+        ):
+            counts = [len(d.tokens) for d in drafts]
+        else:
+            counts = self._budget(drafts, contexts, request_ids, plain_seconds)
+        drafted_keys = keys + sum(n * c for n, c in zip(counts, contexts, strict=True))
+        seconds = (self.draft_times[-1] if self.draft_times else 0.0) + self.pass_cost(
+            len(drafts) + sum(counts), drafted_keys)
+        self._step = _Step(seconds, plain_seconds)
+        return [d.cut(n) for d, n in zip(drafts, counts, strict=True)]
+
+    def _budget(self, drafts: list[Draft], contexts: list[int], request_ids: list[int],
+                plain_seconds: float) -> list[int]:
         survival = [np.cumprod(self.acceptance.probabilities(_confidence(d), d.calibrated)) for d in drafts]
-        counts = choose_budget(survival, self.pass_cost, self.draft_seconds, contexts)
+        allowance = [self._ledger[r].allowance(plain_seconds, self.lag_share) for r in request_ids]
+        counts = choose_budget(survival, self.pass_cost, self.draft_seconds, contexts, allowance)
         if self._probing:  # outcomes keep the estimates honest even while they advise against drafting
             counts = [max(n, min(1, len(d.tokens))) for n, d in zip(counts, drafts, strict=True)]
             self._probing, self._probe_step = False, True
@@ -225,25 +271,53 @@ class AdaptiveVerifier:
         # see whether the next position would pay
         self.depth = min(max(counts) + 1, self.max_depth)
         requests, expected = len(drafts), sum(float(s[:n].sum()) for s, n in zip(survival, counts, strict=True))
-        keys = sum(contexts)
-        drafted_keys = keys + sum(n * c for n, c in zip(counts, contexts, strict=True))
+        drafted_keys = sum(contexts) + sum(n * c for n, c in zip(counts, contexts, strict=True))
         drafted_cost = self.draft_seconds + self.pass_cost(requests + sum(counts), drafted_keys)
-        drafted_rate = (requests + expected) / drafted_cost
-        plain_seconds = self.pass_cost(requests, keys)
-        if drafted_rate < requests / plain_seconds:  # plain decoding would have been faster
+        if (requests + expected) / drafted_cost < requests / plain_seconds:  # plain decoding would be faster
             self._backoff = min(max(2 * self._backoff, 1), self.max_pause)
             probe_seconds = self.draft_times[-1] if self.draft_times else 0.0  # this step's drafting
             paid_for = math.ceil(probe_seconds / (self.probe_share * plain_seconds))
             self._pause = min(max(self._backoff, paid_for), self.longest_pause)
         else:
             self._backoff = 0
-        return [d.cut(n) for d, n in zip(drafts, counts, strict=True)]
+        return counts
 
-    def observe(self, draft: Draft, accepted: int) -> None:
+    def observe(self, draft: Draft, accepted: int, request_id: int | None = None) -> None:
+        """A verified draft had `accepted` tokens accepted; the request (if given) is charged the step."""
+        if request_id is not None:
+            ledger = self._ledger.setdefault(request_id, _Ledger())
+            ledger.tokens += 1 + accepted
+            if self._step is not None:  # a drafting step: what it cost beyond plain passes for these tokens
+                ledger.lag += self._step.seconds - (1 + accepted) * self._step.plain_seconds
         if draft.tokens:
             self.acceptance.observe(_confidence(draft), len(draft.tokens), accepted, draft.calibrated)
             if self._probe_step and self.acceptance.fitted:  # probes are rare: waiting for 100 outcomes
                 self.acceptance.fit()  # would keep a stale estimate pausing for the rest of the calls
+
+    def lag(self, request_id: int) -> float:
+        """Seconds request `request_id` is behind plain decoding, as the cost model predicts (< 0: ahead)."""
+        return self._ledger[request_id].lag if request_id in self._ledger else 0.0
+
+
+@dataclass
+class _Step:
+    """What `trim` predicted for the step it cut, for the ledgers."""
+
+    seconds: float  # this step's drafting plus the pass of every row kept
+    plain_seconds: float  # one plain pass of the same requests
+
+
+@dataclass
+class _Ledger:
+    """One request's account against plain decoding."""
+
+    lag: float = 0.0  # seconds behind plain decoding (< 0: ahead)
+    tokens: int = 0  # tokens it has got
+
+    def allowance(self, plain_seconds: float, share: float) -> float:
+        """Seconds this step may still put it behind: one plain step, plus `share` of the plain time of the
+        tokens it has got (so one unlucky step early on does not stop drafting for good), less its lag."""
+        return plain_seconds * (1.0 + share * self.tokens) - self.lag
 
 
 def sigmoid(z: np.ndarray) -> np.ndarray:

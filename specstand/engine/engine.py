@@ -206,7 +206,7 @@ class Engine:
         if self._adaptive is not None and drafting and proposals:
             self._adaptive.record_draft_time(time.perf_counter() - started)
             contexts = [len(state.seq.token_ids) - 1 for _, state, _ in proposals]  # cached positions
-            drafts = self._adaptive.trim([draft for _, _, draft in proposals], contexts)
+            drafts = self._adaptive.trim([draft for _, _, draft in proposals], contexts, [r for r, _, _ in proposals])
             proposals = [(r, state, draft) for (r, state, _), draft in zip(proposals, drafts, strict=True)]
         return [_Work(r, state, [state.seq.token_ids[-1], *draft.tokens], draft) for r, state, draft in proposals]
 
@@ -223,7 +223,7 @@ class Engine:
     def _verified(self, request_id: int, state: _Running, draft: Draft, output: PassOutput) -> StepEvent:
         verdict = self._verify(state, draft, output.logits)
         if self._adaptive is not None:
-            self._adaptive.observe(draft, verdict.accepted)
+            self._adaptive.observe(draft, verdict.accepted, request_id)
         cache_start = len(state.seq.token_ids) - 1
         self.runner.cache.rollback(state.slot, cache_start + 1 + verdict.accepted)  # pending + accepted
         hidden = HiddenRows(cache_start, {k: t[: verdict.accepted + 1] for k, t in output.taps.items()})

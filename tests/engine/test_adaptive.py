@@ -242,3 +242,45 @@ def test_only_a_chain_drafter_is_asked_for_fewer_tokens_than_k(cost_grows_with_d
     # a chain would pay a step per token it is asked for: one past the budget (1); a block pass costs the
     # same at any depth, so it keeps drafting K and the budget cuts its draft after pricing it
     assert all(n <= 2 for n in settled) if cost_grows_with_depth else all(n == 5 for n in settled)
+
+
+def test_a_budget_never_puts_a_request_past_its_allowance():
+    # cost 1 + 0.1 a row; plain pass of the 2 requests: 1.2 s. Request 1 has no draft, so any drafted row
+    # makes its step longer than plain decoding's for the same one token.
+    survival = [np.array([0.9, 0.9, 0.9]), np.array([])]
+
+    def cost(rows, keys):
+        return 1.0 + 0.1 * rows
+
+    assert choose_budget(survival, cost, 0.0) == [3, 0]  # tokens per second alone: the whole draft
+    assert choose_budget(survival, cost, 0.0, allowance=[1.0, 0.0]) == [0, 0]  # no second to spare
+    assert choose_budget(survival, cost, 0.0, allowance=[1.0, 0.15]) == [1, 0]  # 0.1 s: one row
+    # a request with nothing to spare but a likely draft of its own may still draft it: 1.3 s for 1.9 tokens
+    assert choose_budget([np.array([0.9]), np.array([])], cost, 0.0, allowance=[0.0, 1.0]) == [1, 0]
+    # every budget overshoots (drafting already cost 0.5 s): the least overshoot, no rows
+    assert choose_budget(survival, cost, 0.5, allowance=[1.0, 0.0]) == [0, 0]
+
+
+def test_a_request_whose_drafts_fail_stays_within_its_allowance():
+    """Request 0's drafts are always accepted, request 1 never has one: drafting for request 0 makes every
+    pass longer, and request 1 waits on it. Its ledger keeps it within one plain step plus lag_share of its
+    tokens' plain time behind plain decoding, while request 0 still drafts."""
+    # a row costs 0.02 s: four of them (0.08 s) a step would outrun the 0.05 s a token adds to the allowance
+    verifier = AdaptiveVerifier(FixedCost([1, 64], [1.0, 2.26]), max_depth=4)
+    for _ in range(16):
+        verifier.observe(Draft([1, 2, 3, 4], confidence=[0.0] * 4), 4)
+    drafted = 0
+    for step in range(200):
+        if not verifier.should_draft():
+            verifier.observe(Draft([]), 0, 0)
+            verifier.observe(Draft([]), 0, 1)
+            continue
+        verifier.record_draft_time(0.001)
+        cut = verifier.trim([Draft([1, 2, 3, 4], confidence=[0.0] * 4), Draft([])], [0, 0], [0, 1])
+        drafted += len(cut[0].tokens)
+        verifier.observe(cut[0], len(cut[0].tokens), 0)
+        verifier.observe(cut[1], 0, 1)
+        plain = verifier.pass_cost(2)  # request 1 got a token each step, step + 1 so far
+        assert verifier.lag(1) <= plain * (1 + verifier.lag_share * (step + 1)) + 1e-9, step
+    assert drafted > 100  # request 0 was not held to plain decoding
+    assert verifier.lag(0) < 0  # and is far ahead of it

@@ -208,14 +208,14 @@ class AdaptiveVerifier:
     # time of plain decoding in `make demo`'s 4-user runs)
     longest_pause: int = 4096
     max_depth: int = 5  # K: the most draft tokens a request is asked for
+    # a request may fall behind plain decoding by one plain step plus this share of the plain time of its
+    # tokens (a lag that only grows would block every request's drafts behind one whose drafts fail)
+    lag_share: float = 0.05
     depth: int = field(init=False)  # how deep to draft next: one past the deepest share the last budget gave
     _pause: int = 0  # steps left without drafting
     _backoff: int = 0
     _probing: bool = False  # the first drafting step after a pause verifies a token of every draft
     _probe_step: bool = False  # this step is such a probe: its outcomes refit the estimate at once
-    # a request may fall behind plain decoding by one plain step plus this share of the plain time of its
-    # tokens (a lag that only grows would block every request's drafts behind one whose drafts fail)
-    lag_share: float = 0.05
     _ledger: dict[int, _Ledger] = field(default_factory=dict)  # request id -> its account
     _step: _Step | None = None  # the step `trim` cut, until the next (None: a step without drafting)
 

@@ -284,3 +284,32 @@ def test_a_request_whose_drafts_fail_stays_within_its_allowance():
         assert verifier.lag(1) <= plain * (1 + verifier.lag_share * (step + 1)) + 1e-9, step
     assert drafted > 100  # request 0 was not held to plain decoding
     assert verifier.lag(0) < 0  # and is far ahead of it
+
+
+def test_the_engine_charges_each_step_to_the_requests_it_cut(monkeypatch):
+    """The ledger is per request: the ids `trim` is given are the engine's request ids, and every verified
+    draft is charged to its own request (a second batch of requests gets new ids, not reused positions)."""
+    trimmed: list[list[int]] = []
+    charged: list[int] = []
+
+    class Recording(AdaptiveVerifier):
+        def trim(self, drafts, contexts, request_ids=None):
+            trimmed.append(list(request_ids))
+            return super().trim(drafts, contexts, request_ids)
+
+        def observe(self, draft, accepted, request_id=None):
+            charged.append(request_id)
+            super().observe(draft, accepted, request_id)
+
+    monkeypatch.setattr(engine_module, "AdaptiveVerifier", Recording)
+    monkeypatch.setattr(engine_module, "profile_pass_cost", lambda *profile_args: FixedCost([1, 64], [1.0, 1.1]))
+    model = tiny_decoder("llama", torch.float32, forward="python")
+    engine = Engine(model, make_drafter("ngram"), EngineConfig(4, 256, 2, adaptive=True))
+    first = [engine.add_request(Request(p, 12)) for p in random_prompts(2, 20, seed=4)]
+    while engine.has_work:
+        engine.step()
+    second = [engine.add_request(Request(p, 12)) for p in random_prompts(2, 20, seed=5)]
+    while engine.has_work:
+        engine.step()
+    assert trimmed and set().union(*map(set, trimmed)) == set(first + second)
+    assert set(charged) == set(first + second)  # the second batch is charged under its own ids

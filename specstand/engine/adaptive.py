@@ -164,24 +164,20 @@ def choose_budget(survival: list[np.ndarray], verify_cost: Callable[[int, float]
     keys = float(sum(contexts))
     plain = verify_cost(requests, keys)
     # the most seconds a step may take for each request: its expected tokens at plain passes + allowance
-    limits = None if allowance is None else [plain + a for a in allowance]
+    limits = [plain + a for a in allowance] if allowance is not None else [math.inf] * requests
 
-    def judged(budget: int, expected: float, seconds: float) -> tuple[bool, float, int]:
+    def judged(expected: float, seconds: float) -> tuple[bool, float]:
         """Sort key: within every allowance first, then tokens per second (or the least overshoot)."""
-        if limits is None:
-            return True, expected / seconds, -budget
-        overshoot = seconds - min(limits)
-        return overshoot <= 0, expected / seconds if overshoot <= 0 else -overshoot, -budget
+        overshoot = seconds - min(limits, default=math.inf)
+        return (True, expected / seconds) if overshoot <= 0 else (False, -overshoot)
 
-    best_budget = 0
-    best = judged(0, float(requests), draft_cost + plain)
-    expected = float(requests)
+    expected, best_budget = float(requests), 0
+    best = judged(expected, draft_cost + plain)
     for budget, (score, r) in enumerate(ranked, start=1):
         expected += score
         keys += contexts[r]
-        if limits is not None:
-            limits[r] += score * plain
-        value = judged(budget, expected, draft_cost + verify_cost(requests + budget, keys))
+        limits[r] += score * plain
+        value = judged(expected, draft_cost + verify_cost(requests + budget, keys))
         if value > best:
             best, best_budget = value, budget
     counts = [0] * requests
@@ -246,21 +242,24 @@ class AdaptiveVerifier:
         request_ids = list(range(len(drafts))) if request_ids is None else request_ids
         self._ledger = {r: self._ledger.get(r, _Ledger()) for r in request_ids}  # the finished drop out
         keys = sum(contexts)
-        plain_seconds = self.pass_cost(len(drafts), keys)
-        if not any(d.tokens for d in drafts) or (
-            not self.acceptance.fitted and not any(d.calibrated for d in drafts)
-        ):
-            counts = [len(d.tokens) for d in drafts]
+        requests, plain_seconds = len(drafts), self.pass_cost(len(drafts), keys)
+        this_draft = self.draft_times[-1] if self.draft_times else 0.0
+        budgeted = any(d.tokens for d in drafts) and (
+            self.acceptance.fitted or any(d.calibrated for d in drafts))
+        if budgeted:
+            counts, expected = self._budget(drafts, contexts, request_ids, plain_seconds)
         else:
-            counts = self._budget(drafts, contexts, request_ids, plain_seconds)
+            counts = [len(d.tokens) for d in drafts]
         drafted_keys = keys + sum(n * c for n, c in zip(counts, contexts, strict=True))
-        seconds = (self.draft_times[-1] if self.draft_times else 0.0) + self.pass_cost(
-            len(drafts) + sum(counts), drafted_keys)
-        self._step = _Step(seconds, plain_seconds)
+        drafted_pass = self.pass_cost(requests + sum(counts), drafted_keys)
+        self._step = _Step(this_draft + drafted_pass, plain_seconds)
+        if budgeted:
+            self._pause_if_plain_is_faster(requests, expected, drafted_pass, plain_seconds, this_draft)
         return [d.cut(n) for d, n in zip(drafts, counts, strict=True)]
 
     def _budget(self, drafts: list[Draft], contexts: list[int], request_ids: list[int],
-                plain_seconds: float) -> list[int]:
+                plain_seconds: float) -> tuple[list[int], float]:
+        """Each request's share of the step's budget, and the tokens the shares expect to get accepted."""
         survival = [np.cumprod(self.acceptance.probabilities(_confidence(d), d.calibrated)) for d in drafts]
         allowance = [self._ledger[r].allowance(plain_seconds, self.lag_share) for r in request_ids]
         counts = choose_budget(survival, self.pass_cost, self.draft_seconds, contexts, allowance)
@@ -270,17 +269,17 @@ class AdaptiveVerifier:
         # a chain drafter's cost grows with its depth: draft no deeper than the budget went, plus one to
         # see whether the next position would pay
         self.depth = min(max(counts) + 1, self.max_depth)
-        requests, expected = len(drafts), sum(float(s[:n].sum()) for s, n in zip(survival, counts, strict=True))
-        drafted_keys = sum(contexts) + sum(n * c for n, c in zip(counts, contexts, strict=True))
-        drafted_cost = self.draft_seconds + self.pass_cost(requests + sum(counts), drafted_keys)
-        if (requests + expected) / drafted_cost < requests / plain_seconds:  # plain decoding would be faster
+        return counts, sum(float(s[:n].sum()) for s, n in zip(survival, counts, strict=True))
+
+    def _pause_if_plain_is_faster(self, requests: int, expected: float, drafted_pass: float, plain_seconds: float,
+                                  this_draft: float) -> None:
+        """Pause drafting when the step's budget is slower than plain decoding would have been."""
+        if (requests + expected) / (self.draft_seconds + drafted_pass) < requests / plain_seconds:
             self._backoff = min(max(2 * self._backoff, 1), self.max_pause)
-            probe_seconds = self.draft_times[-1] if self.draft_times else 0.0  # this step's drafting
-            paid_for = math.ceil(probe_seconds / (self.probe_share * plain_seconds))
+            paid_for = math.ceil(this_draft / (self.probe_share * plain_seconds))  # this step's drafting
             self._pause = min(max(self._backoff, paid_for), self.longest_pause)
         else:
             self._backoff = 0
-        return counts
 
     def observe(self, draft: Draft, accepted: int, request_id: int | None = None) -> None:
         """A verified draft had `accepted` tokens accepted; the request (if given) is charged the step."""

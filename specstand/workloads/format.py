@@ -176,6 +176,7 @@ def load_workload(path: str | Path) -> list[Turn]:
 def save_workload(turns: list[Turn], path: str | Path) -> None:
     """Write atomically: a crash never leaves a half-written workload under the final name."""
     path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(path.name + ".tmp")
     tmp.write_text("".join(turn.to_json() + "\n" for turn in turns))
     tmp.replace(path)

@@ -26,6 +26,14 @@ def test_round_trip(tmp_path):
     assert load_workload(out) == turns
 
 
+def test_saving_into_a_folder_that_does_not_exist_yet_creates_it(tmp_path):
+    """`workload import --out new/folder/w.jsonl` failed on the missing folder (its temporary file's)."""
+    turns = load_workload(_write(tmp_path, GOOD))
+    out = tmp_path / "new" / "folder" / "w.jsonl"
+    save_workload(turns, out)
+    assert load_workload(out) == turns and not list(out.parent.glob("*.tmp"))
+
+
 @pytest.mark.parametrize(
     ("turn", "message"),
     [

@@ -1,10 +1,11 @@
 """What one target pass costs, against its roofline, on this CPU: the compiled kernels beside torch.
 
 For a preset: ms per whole-model decode/verify pass at 1..64 rows (the compiled forward and the Python
-forward on torch's GEMMs, interleaved), prompt tokens/s, plain greedy decode tok/s (specstand and HF
-transformers `generate`) against the weight-read floor. Memory bandwidth (1 GiB fp32 sum) and the peak
-multiply-accumulate rate (a register-only loop of the kernel path's instruction, times threads) are
-measured in the same run; each pass prints its roofline max(weight bytes / bandwidth, MACs / peak).
+forward on torch's GEMMs; the compiled passes also with all the rows in one request, as a verify), prompt
+tokens/s, plain greedy decode tok/s (specstand and HF transformers `generate`) against the weight-read floor.
+Memory bandwidth (1 GiB fp32 sum) and the peak multiply-accumulate rate (a register-only loop of the kernel
+path's instruction, times threads) are measured in the same run; each pass prints its roofline
+max(weight bytes / bandwidth, MACs / peak).
 `--profile` splits a speculative step into target pass and the rest (drafting, verification, bookkeeping).
 
     python benchmarks/pass_cost.py --model qwen2.5-coder-0.5b --out benchmarks/results/pass_cost_qwen.txt
@@ -57,19 +58,38 @@ def peak_rates(path: str, dtype: str, threads: int) -> dict[bool, float]:
     return {False: rate, True: rate}
 
 
-def time_pass(runner: TargetRunner, slots: list[int], rows: int, repeats: int, context: int) -> float:
-    """Median seconds of one pass of `rows` rows spread over the slots (up to 8 rows a request), each
-    request's cache `context` long."""
+def pass_inputs(slots: list[int], rows: int) -> tuple[list[PassInput], int]:
+    """`rows` rows spread over the slots, up to 8 rows a request (one slot: all of them in one request)."""
     per = max(1, -(-rows // len(slots)))
-    inputs = [PassInput(slots[i], [17] * min(per, rows - i * per)) for i in range(-(-rows // per))]
-    times = []
+    return [PassInput(slots[i], [17] * min(per, rows - i * per)) for i in range(-(-rows // per))], per
+
+
+def time_pass(runner: TargetRunner, slots: list[int], rows: int, repeats: int, context: int) -> float:
+    """Median seconds of one pass of `rows` rows spread over the slots, each request's cache `context` long."""
+    return time_passes(runner, {rows: pass_inputs(slots, rows)}, slots, repeats, context)[0][rows]
+
+
+def time_passes(runner: TargetRunner, cases: dict, slots: list[int], repeats: int,
+                context: int) -> tuple[dict, dict]:
+    """Median seconds of each case's pass (cases: key -> (inputs, rows per request)), the cases run in turn
+    within every repeat so that the host's drifting bandwidth reaches them all alike; and, where the forward
+    is compiled, each case's mean seconds per phase."""
+    times: dict = {key: [] for key in cases}
+    phases: dict = {key: {} for key in cases}
+    compiled = runner.compiled
     for _ in range(repeats):
-        for slot in slots:
-            runner.cache.rollback(slot, context)
-        started = time.perf_counter()
-        runner.run(inputs, per)
-        times.append(time.perf_counter() - started)
-    return statistics.median(times)
+        for key, (inputs, per) in cases.items():
+            for slot in slots:
+                runner.cache.rollback(slot, context)
+            if compiled is not None:
+                compiled.take_profile()
+            started = time.perf_counter()
+            runner.run(inputs, per)
+            times[key].append(time.perf_counter() - started)
+            if compiled is not None:
+                for phase, seconds in compiled.take_profile().items():
+                    phases[key][phase] = phases[key].get(phase, 0.0) + seconds / repeats
+    return {key: statistics.median(t) for key, t in times.items()}, phases
 
 
 def prompt_tokens_per_second(runner: TargetRunner, slot: int, prompt: list[int]) -> float:
@@ -177,23 +197,26 @@ def main() -> None:
         f"{floor_ms:.1f} ms; peak {' / '.join(f'{rate / 1e9:.0f}' for rate in dict.fromkeys(peaks.values()))} "
         f"GMAC/s ({path} {args.dtype}{', rows < 16 / from 16' if len(set(peaks.values())) > 1 else ''}, "
         f"{args.threads} cores)")
-    say(f"every row attends over {args.context} cached positions of its request (up to 8 rows a request)")
+    say(f"every row attends over {args.context} cached positions of its request (up to 8 rows a request; "
+        f"\"one request\": all the rows in one request, a verify of K = rows - 1 drafted tokens)")
     say()
     if linears:
         say("(compiled: the Python forward with the compiled linears; torch: with torch's)")
-    say("rows | compiled ms | x one row | roofline ms | x roofline | torch ms | torch/compiled")
-    say("-----|-------------|-----------|-------------|------------|----------|---------------")
-    one_row = None
-    splits = {}
+    say("rows | compiled ms | x one row | roofline ms | x roofline | torch ms | torch/compiled | "
+        "one request ms | x one row")
+    say("-----|-------------|-----------|-------------|------------|----------|----------------|"
+        "----------------|----------")
+    # the compiled passes of every row count, spread over requests and in one request, interleaved
+    spread = {("spread", rows): pass_inputs(slots, rows) for rows in ROWS}
+    alone = {("alone", rows): pass_inputs(slots[:1], rows) for rows in ROWS}
+    measured = compiled is not None or bool(linears)
+    ours_by, phases_by = ({}, {}) if not measured else time_passes(runner, spread | alone, slots, args.repeats,
+                                                                    args.context)
+    splits = {rows: phases_by[("spread", rows)] for rows in ROWS} if compiled is not None else {}
+    nan = float("nan")
+    one_row, one_row_alone = ours_by.get(("spread", 1), nan), ours_by.get(("alone", 1), nan)
     for rows in ROWS:
-        if compiled is not None:
-            compiled.take_profile()
-            ours = time_pass(runner, slots, rows, args.repeats, args.context)
-            splits[rows] = {phase: seconds / args.repeats for phase, seconds in compiled.take_profile().items()}
-        elif linears:
-            ours = time_pass(runner, slots, rows, args.repeats, args.context)
-        else:
-            ours = float("nan")
+        ours, verify = ours_by.get(("spread", rows), nan), ours_by.get(("alone", rows), nan)
         runner.compiled = None
         packed = [lin.packed for lin in linears]
         for lin in linears:
@@ -203,9 +226,9 @@ def main() -> None:
         for lin, pack in zip(linears, packed, strict=True):
             lin.packed = pack
         roofline = max(floor_ms, rows * macs / peaks[rows >= 16] * 1e3)
-        one_row = one_row or ours
         say(f"{rows:4d} | {ours * 1e3:11.1f} | {ours / one_row:9.2f} | {roofline:11.1f} | "
-            f"{ours * 1e3 / roofline:10.2f} | {theirs * 1e3:8.1f} | {theirs / ours:14.2f}")
+            f"{ours * 1e3 / roofline:10.2f} | {theirs * 1e3:8.1f} | {theirs / ours:14.2f} | {verify * 1e3:14.1f} | "
+            f"{verify / one_row_alone:9.2f}")
     if args.profile and splits:
         say()
         say("rows | linears ms | attention ms | head ms | rest ms   (inside a compiled pass; means of the repeats)")

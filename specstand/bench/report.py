@@ -17,6 +17,7 @@ from pathlib import Path
 import jsonschema
 
 from specstand.bench.replay import CallRecord, TurnRecord
+from specstand.files import write_atomic, write_text_atomic
 from specstand.workloads import Call, Turn
 
 _FENCE = re.compile(r"^\s*```[a-zA-Z]*\s*\n?(.*?)\n?```\s*$", re.DOTALL)
@@ -255,11 +256,9 @@ def _latency_plot(plt, summary: dict, targets: list[str], users: list[int], out_
 def _save(fig, path: Path) -> Path:
     import matplotlib.pyplot as plt
 
-    tmp = path.with_name(path.stem + ".tmp.png")
     fig.tight_layout()
-    fig.savefig(tmp, dpi=110)
+    write_atomic(path, lambda tmp: fig.savefig(tmp, dpi=110))
     plt.close(fig)
-    tmp.replace(path)
     return path
 
 
@@ -270,13 +269,13 @@ def write_report(out_dir: Path, config: dict, runs: list[RunResult], turns: list
     summary = summarize(runs, turns, baseline)
     table = render_markdown(summary, targets, users, baseline, k_by_target)
     raw = {"config": config, "complete": complete, "summary": summary, "runs": [r.to_dict() for r in runs]}
-    _atomic_write(out_dir / "report.json", json.dumps(raw, indent=1))
+    write_text_atomic(out_dir / "report.json", json.dumps(raw, indent=1))
     status = "" if complete else "\n**Partial report**: the run was interrupted or is still going.\n"
     md = (f"# specstand bench\n\nWorkload `{config.get('workload')}`, {len(turns)} turns, users {users}, "
           f"{config.get('repeats')} repeats (runs interleaved). Times are medians over repeats with "
           f"[min–max]; ≈ marks a difference inside the spread.\n{_machine_line(config.get('machine'))}"
           f"{status}\n{table}")
-    _atomic_write(out_dir / "report.md", md)
+    write_text_atomic(out_dir / "report.md", md)
     if runs:
         write_plots(summary, targets, users, out_dir)
     return table
@@ -292,8 +291,3 @@ def _machine_line(machine: dict | None) -> str:
     return (f"\nMachine: {machine['cpu']}, {machine['cpus']} cpus; flags {' '.join(machine['flags']) or 'none'}; "
             f"kernel path of specstand's targets here: {machine['kernel_path']}; {bandwidth}.\n")
 
-
-def _atomic_write(path: Path, text: str) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(text)
-    tmp.replace(path)

@@ -7,7 +7,6 @@ Shipped drafters live in the repository under drafters/<model>/<method>/ (see `s
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable
 from pathlib import Path
 
@@ -25,6 +24,7 @@ from specstand.drafters.eagle3 import build_eagle3, eagle3_drafter, eagle3_tap_l
 from specstand.drafters.mtp import build_mtp, mtp_drafter, mtp_tap_layers
 from specstand.drafters.nn import DrafterSpec, pack_for_inference
 from specstand.drafters.target_parts import TargetParts
+from specstand.files import write_atomic, write_text_atomic
 
 SHIPPED_ROOT = Path(__file__).resolve().parents[2] / "drafters"
 WEIGHTS = "model.safetensors"
@@ -72,12 +72,8 @@ def save_tensors(spec: DrafterSpec, state: dict[str, torch.Tensor], folder: Path
     crash never leaves a half-written file under the final name."""
     folder.mkdir(parents=True, exist_ok=True)
     tensors = {k: (v.to(torch.int64) if k == "d2t" else v.to(torch.bfloat16)).contiguous() for k, v in state.items()}
-    tmp = folder / f".{WEIGHTS}.tmp"
-    save_file(tensors, str(tmp), metadata={"spec": spec.to_json()})
-    os.replace(tmp, folder / WEIGHTS)
-    tmp = folder / ".config.json.tmp"
-    tmp.write_text(spec.to_json() + "\n")
-    os.replace(tmp, folder / "config.json")
+    write_atomic(folder / WEIGHTS, lambda tmp: save_file(tensors, str(tmp), metadata={"spec": spec.to_json()}))
+    write_text_atomic(folder / "config.json", spec.to_json() + "\n")
 
 
 def _open(folder: Path):

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 from dataclasses import replace
 from pathlib import Path
 
@@ -27,6 +26,7 @@ from safetensors.torch import save_file
 from specstand.drafters.dspark import draft_rows_of
 from specstand.drafters.nn import DrafterSpec
 from specstand.drafters.trained import BLOCK_METHODS, WEIGHTS, DrafterLoadError, read_drafter, save_tensors
+from specstand.files import write_atomic, write_text_atomic
 from specstand.models import LoadedModel
 
 SPECULATORS_VERSION = "0.3.0"
@@ -88,12 +88,9 @@ def check_spec(spec: DrafterSpec, source: Path, draft_ids: torch.Tensor) -> None
 
 def _write_atomic(folder: Path, config: dict, tensors: dict[str, torch.Tensor]) -> None:
     folder.mkdir(parents=True, exist_ok=True)
-    tmp = folder / f".{WEIGHTS}.tmp"
-    save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp), metadata={"format": "pt"})
-    os.replace(tmp, folder / WEIGHTS)
-    tmp = folder / ".config.json.tmp"
-    tmp.write_text(json.dumps(config, indent=2) + "\n")
-    os.replace(tmp, folder / "config.json")
+    contiguous = {k: v.contiguous() for k, v in tensors.items()}
+    write_atomic(folder / WEIGHTS, lambda tmp: save_file(contiguous, str(tmp), metadata={"format": "pt"}))
+    write_text_atomic(folder / "config.json", json.dumps(config, indent=2) + "\n")
 
 
 def _layer_config(spec: DrafterSpec) -> dict:

@@ -21,6 +21,7 @@ from tqdm import tqdm
 
 from specstand.drafters import Drafter
 from specstand.engine import Engine, EngineConfig, Request
+from specstand.files import write_atomic, write_text_atomic
 from specstand.models import LoadedModel
 from specstand.verification import SamplingParams
 from specstand.workloads import Turn
@@ -64,9 +65,7 @@ class PartialRows:
                 except (json.JSONDecodeError, TypeError):
                     break  # the torn tail of a killed write; everything before it is whole
         good = [json.dumps({"config": config})] + [json.dumps(asdict(row)) for row in self.rows]
-        tmp = folder / f"{PARTIAL}.tmp"  # rewritten whole, then renamed: a kill here loses no row
-        tmp.write_text("\n".join(good) + "\n")
-        os.replace(tmp, self.path)
+        write_text_atomic(self.path, "\n".join(good) + "\n")  # rewritten whole: a kill here loses no row
         self._file = self.path.open("a")
 
     def append(self, row: TrainRow) -> None:
@@ -204,16 +203,16 @@ class EndpointError(RuntimeError):
 
 def save_rows(folder: Path, rows: list[TrainRow], meta: dict) -> None:
     folder.mkdir(parents=True, exist_ok=True)
-    tmp = folder / f".{ROWS}.tmp"
-    with tmp.open("w") as f:
-        for row in rows:
-            f.write(json.dumps(asdict(row)) + "\n")
-    os.replace(tmp, folder / ROWS)
+
+    def write_rows(tmp: Path) -> None:  # line by line: a large data set is never one string in memory
+        with tmp.open("w") as f:
+            for row in rows:
+                f.write(json.dumps(asdict(row)) + "\n")
+
+    write_atomic(folder / ROWS, write_rows)
     meta = {**meta, "rows": len(rows), "heldout_rows": sum(r.split == "heldout" for r in rows),
             "response_tokens": sum(len(r.response_ids) for r in rows)}
-    tmp = folder / f".{META}.tmp"
-    tmp.write_text(json.dumps(meta, indent=1) + "\n")
-    os.replace(tmp, folder / META)
+    write_text_atomic(folder / META, json.dumps(meta, indent=1) + "\n")
 
 
 def load_rows(folder: Path) -> tuple[dict, list[TrainRow]]:

@@ -10,7 +10,6 @@ order and every random draw are functions of (seed, step), not of the run's hist
 from __future__ import annotations
 
 import json
-import os
 import random
 import time
 from dataclasses import asdict, dataclass, field
@@ -22,6 +21,7 @@ from tqdm import tqdm
 from specstand.drafters.nn import DrafterSpec, draft_vocabulary
 from specstand.drafters.target_parts import TargetParts
 from specstand.drafters.trained import BLOCK_METHODS, TRAINED, build_model, drafter_state, save_drafter
+from specstand.files import write_atomic
 from specstand.models import LoadedModel
 from specstand.training.data import load_datasets, subset_turn
 from specstand.training.distributed import World
@@ -149,9 +149,7 @@ def _save_state(out: Path, model: torch.nn.Module, optimizer: torch.optim.Optimi
     save_drafter(model, out)
     state = {"step": step, "model": drafter_state(model), "optimizer": optimizer.state_dict(),
              "running_q": running_q, "config": asdict(config), "spec": model.spec.to_json(), "elapsed_s": elapsed}
-    tmp = out / f".{TRAINER_STATE}.tmp"
-    torch.save(state, tmp)
-    os.replace(tmp, out / TRAINER_STATE)
+    write_atomic(out / TRAINER_STATE, lambda tmp: torch.save(state, tmp))
 
 
 def _load_state(path: Path, config: TrainConfig) -> dict | None:
@@ -213,10 +211,8 @@ class _TrainLog:
         import matplotlib.pyplot as plt
 
         fig = training_figure([json.loads(line) for line in self.path.read_text().splitlines()])
-        tmp = out.with_name(f".{out.name}.tmp.png")
-        fig.savefig(tmp)
+        write_atomic(out, fig.savefig)
         plt.close(fig)
-        os.replace(tmp, out)
 
 
 def training_figure(entries: list[dict]):  # -> matplotlib Figure

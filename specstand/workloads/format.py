@@ -25,6 +25,8 @@ from pathlib import Path
 
 import jsonschema
 
+from specstand.files import write_text_atomic
+
 CALL_SCHEMA = {
     "type": "object",
     "required": ["id"],
@@ -177,6 +179,4 @@ def save_workload(turns: list[Turn], path: str | Path) -> None:
     """Write atomically: a crash never leaves a half-written workload under the final name."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text("".join(turn.to_json() + "\n" for turn in turns))
-    tmp.replace(path)
+    write_text_atomic(path, "".join(turn.to_json() + "\n" for turn in turns))

@@ -31,7 +31,7 @@ def test_saving_into_a_folder_that_does_not_exist_yet_creates_it(tmp_path):
     turns = load_workload(_write(tmp_path, GOOD))
     out = tmp_path / "new" / "folder" / "w.jsonl"
     save_workload(turns, out)
-    assert load_workload(out) == turns and not list(out.parent.glob("*.tmp"))
+    assert load_workload(out) == turns and [p.name for p in out.parent.iterdir()] == ["w.jsonl"]
 
 
 @pytest.mark.parametrize(

@@ -1,0 +1,27 @@
+"""Files written whole or not at all: a crash mid-write never leaves a torn checkpoint, data file or report
+under its final name. Every module that writes results goes through here."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from pathlib import Path
+
+
+def write_atomic(path: Path, write: Callable[[Path], object]) -> None:
+    """Calls write(tmp) for a hidden name beside `path` (same suffix, so writers that go by it still do),
+    flushes it to disk, then renames it over `path` in one step; a failed write removes it."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.stem}.tmp{path.suffix}")
+    try:
+        write(tmp)
+        with tmp.open("rb") as written:
+            os.fsync(written.fileno())
+        os.replace(tmp, path)
+    except BaseException:  # a failed or interrupted write leaves no half file behind either
+        tmp.unlink(missing_ok=True)
+        raise
+
+
+def write_text_atomic(path: Path, text: str) -> None:
+    write_atomic(path, lambda tmp: tmp.write_text(text))

@@ -554,6 +554,7 @@ def cmd_train_data(args: argparse.Namespace) -> None:
     finally:
         partial.close()
     meta = {"model": args.model, "dtype": args.dtype, "workloads": [str(p) for p in args.workload],
+            "sources": sorted({turn.source for turn in turns if turn.source}),
             "temperature": args.temperature, "samples": args.samples, "heldout_share": args.heldout,
             "drafter": args.method, "endpoint": args.endpoint, "seconds": round(time.perf_counter() - started)}
     save_rows(args.out, rows, meta)

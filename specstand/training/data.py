@@ -247,6 +247,7 @@ def load_datasets(folders: list[Path]) -> tuple[dict, list[TrainRow]]:
     if len(metas) == 1:
         return first, rows
     merged = {**first, "workloads": [w for m in metas for w in m.get("workloads", [])],
+              "sources": sorted({s for m in metas for s in m.get("sources", [])}),
               "folders": [str(f) for f in folders]}
     for key in ("rows", "heldout_rows", "response_tokens", "seconds"):
         merged[key] = sum(m.get(key, 0) for m in metas)

@@ -175,6 +175,12 @@ def as_dicts(figures: list[KEvaluation]) -> list[dict]:
     return [asdict(f) for f in figures]
 
 
+def _data_sources(data: dict) -> str:
+    """Where the answered calls came from (complexfuncbench, nestful, ...): the turns' own sources, or, for
+    data written before they were recorded (or of turns that name none), the workload files' names."""
+    return ", ".join(data.get("sources") or [Path(w).stem for w in data.get("workloads", [])])
+
+
 def write_card(folder: Path, figures: list[KEvaluation], command: str) -> None:
     """The drafter's model card (README.md next to its weights): shapes, data, training, held-out figures."""
     spec, tensors = read_drafter(folder)
@@ -195,7 +201,7 @@ def write_card(folder: Path, figures: list[KEvaluation], command: str) -> None:
         f"- Weights: {sum(t.numel() for k, t in tensors.items() if k != 'd2t') / 1e6:.1f} M parameters, bf16,"
         f" {size_mb:.1f} MB (the target's embedding and head are borrowed, not stored)",
         f"- Data: the target's own {data.get('temperature', 0) and 'sampled' or 'greedy'} answers to"
-        f" {data.get('rows', '?')} calls of {', '.join(Path(w).stem for w in data.get('workloads', []))}"
+        f" {data.get('rows', '?')} calls of {_data_sources(data)}"
         f" ({data.get('response_tokens', '?')} response tokens; {data.get('heldout_rows', '?')} calls of held-out"
         f" turns kept apart), target dtype {data.get('dtype', '?')}",
         f"- Training: {trained.get('steps', '?')} steps on {trained.get('train_rows', '?')} rows,"

@@ -4,6 +4,7 @@ import -> generate with the drafter; and one readable line on bad input."""
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 
 import pytest
 
@@ -20,7 +21,7 @@ def _run(capsys, *argv: str) -> tuple[int, str, str]:
 
 def test_train_evaluate_export_import_and_generate(capsys, tiny_model_dir, tmp_path):
     workload = tmp_path / "w.jsonl"
-    save_workload(tiny_turns(12), workload)
+    save_workload([replace(turn, source="tinybench") for turn in tiny_turns(12)], workload)
     data, drafters = tmp_path / "data", tmp_path / "drafters"
     model = ("--model", str(tiny_model_dir), "--dtype", "fp32")
     assert _run(capsys, "train-data", *model, "--workload", str(workload), "--out", str(data),
@@ -37,7 +38,9 @@ def test_train_evaluate_export_import_and_generate(capsys, tiny_model_dir, tmp_p
     for f in figures:  # each position's acceptance inside its 95% interval
         assert all(lo <= a <= hi for a, (lo, hi) in zip(f["acceptance_per_position"], f["acceptance_interval"],
                                                         strict=True))
-    assert "| 3 |" in out and "Held-out calls" in (drafters / "dflash" / "README.md").read_text()
+    card = (drafters / "dflash" / "README.md").read_text()
+    assert "| 3 |" in out and "Held-out calls" in card
+    assert "answers to 12 calls of tinybench (" in card  # the turns' source, not the workload file's name
     # DSpark trained with its own options; its evaluation prints the confidence head's calibration
     code, _, err = _run(capsys, "train", "--method", "dspark", *model, "--data", str(data), "--out",
                         str(drafters / "dspark"), "--steps", "4", "--pack-tokens", "256", "--draft-vocab", "64",

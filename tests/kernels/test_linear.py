@@ -46,6 +46,21 @@ def test_every_row_count_gives_the_bits_of_a_one_row_call(path):
 
 
 @pytest.mark.parametrize("path", KERNEL_PATHS)
+def test_prompt_sized_calls_of_a_wide_input_give_each_row_its_one_row_bits(path):
+    """k = 8190 (8192 padded): the amx path takes rows in chunks of 4 blocks of 16 (their activations stay in
+    L2), so 140 rows are chunks of 4, 4 and 1 block, the last an odd block with 4 padding rows, and k's last
+    tile is ragged. Every row must still be the bits of its own 1-row call, and near float64."""
+    generator = torch.Generator().manual_seed(2)
+    weight = torch.randn(40, 8190, generator=generator).bfloat16()  # 3 strips: a pair and an odd one
+    x = torch.randn(140, 8190, generator=generator)
+    many = kernels.linear(weight, x, path)
+    alone = torch.cat([kernels.linear(weight, x[i : i + 1], path) for i in range(140)])
+    assert torch.equal(many, alone)
+    bound = 8190 * 2.0**-23 * (x.abs().double() @ weight.abs().double().T)
+    assert ((many.double() - _reference(weight, x, path)).abs() <= bound).all()
+
+
+@pytest.mark.parametrize("path", KERNEL_PATHS)
 def test_peak_rate_is_measured(path):
     assert kernels.peak_macs_per_second(path, 200_000) > 0
 

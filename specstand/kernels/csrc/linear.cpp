@@ -7,13 +7,15 @@
 //   avx512bf16: vdpbf16ps, activations rounded to bf16 (RNE), fp32 accumulation (DAZ/FTZ in hardware).
 //   avx2:       bf16 weights widened to fp32 in registers, fp32 activations, one FMA per k.
 //   amx:        tdpbf16ps on 16-row tiles (fewer rows are zero-padded to 16, so a row always meets the same
-//               instruction sequence), activations rounded to bf16, weights padded to 32 k; two row blocks
-//               share each weight tile loaded (further pairs of blocks re-read the strips from L2).
+//               instruction sequence), activations rounded to bf16 and laid out tile by tile, weights padded to
+//               32 k; two row blocks share each weight tile loaded (further pairs of blocks re-read the strips
+//               from L2; prompts go in chunks of rows whose activations stay in L2).
 //   scalar:     the same sums in plain C++ (one fmaf per k), for CPUs with neither.
 #include "linear.h"
 #include "tiles.h"
 
 #include <ATen/Parallel.h>
+#include <ATen/ops/empty.h>
 #include <ATen/ops/zeros.h>
 #include <immintrin.h>
 
@@ -174,7 +176,7 @@ static void linear_scalar(const PackedLinear& w, const float* x, int64_t m, int6
 constexpr int PREFETCH_STEPS = 6;  // k steps of 32 a weight prefetch runs ahead
 template <int MB, int NB>
 __attribute__((target("amx-tile,amx-bf16,avx512f"))) static void tile_amx(const PackedLinear& w, int64_t s0,
-                                                                          const uint16_t* xb, int64_t xs,
+                                                                          const uint16_t* xt,
                                                                           float* out /* [MB][NB][16][16] */) {
   static_assert(MB <= 2 && MB * NB <= 4, "four accumulator tiles, two activation tiles");
   _tile_zero(0);
@@ -183,9 +185,9 @@ __attribute__((target("amx-tile,amx-bf16,avx512f"))) static void tile_amx(const 
   if (MB * NB > 3) _tile_zero(3);
   const uint16_t* strips[NB];
   for (int b = 0; b < NB; ++b) strips[b] = w.strip(s0 + b);
-  const int64_t block_stride = 16 * xs;
+  const int64_t block_stride = 16 * w.k_pad;  // a block's tiles, in k order
   for (int64_t p = 0; p < w.k_pad / 2; p += 16) {
-    const uint16_t* xp = xb + 2 * p;
+    const uint16_t* xp = xt + 32 * p;
     const int64_t ahead = p + 16 * PREFETCH_STEPS;
     if (ahead < w.k_pad / 2)  // weights a few k steps ahead into L2: DRAM latency
       for (int b = 0; b < NB; ++b)
@@ -196,7 +198,7 @@ __attribute__((target("amx-tile,amx-bf16,avx512f"))) static void tile_amx(const 
         for (int line = 0; line < 16; ++line)
           _mm_prefetch(reinterpret_cast<const char*>(strips[b] + (p + 16) * 32 + line * 32), _MM_HINT_T0);
     if constexpr (MB == 1) {
-      _tile_loadd(4, xp, xs * 2);
+      _tile_loadd(4, xp, 64);
       _tile_loadd(6, strips[0] + p * 32, 64);
       _tile_dpbf16ps(0, 4, 6);
       if constexpr (NB > 1) {
@@ -212,8 +214,8 @@ __attribute__((target("amx-tile,amx-bf16,avx512f"))) static void tile_amx(const 
         _tile_dpbf16ps(3, 4, 7);
       }
     } else {
-      _tile_loadd(4, xp, xs * 2);
-      _tile_loadd(5, xp + block_stride, xs * 2);
+      _tile_loadd(4, xp, 64);
+      _tile_loadd(5, xp + block_stride, 64);
       _tile_loadd(6, strips[0] + p * 32, 64);
       _tile_dpbf16ps(0, 4, 6);
       _tile_dpbf16ps(1, 5, 6);
@@ -243,7 +245,7 @@ __attribute__((target("avx512f"))) static void store_amx_tile(const PackedLinear
 template <int MB, int NB>
 static void run_amx(const PackedLinear& w, const uint16_t* xb, int64_t block0, int64_t m, int64_t s0, float* out,
                     float* y, int64_t y_stride) {
-  tile_amx<MB, NB>(w, s0, xb + block0 * 16 * w.k_pad, w.k_pad, out);
+  tile_amx<MB, NB>(w, s0, xb + block0 * 16 * w.k_pad, out);
   for (int i = 0; i < MB; ++i)
     for (int b = 0; b < NB; ++b) {
       const int t = MB == 1 ? b : i + 2 * b;
@@ -251,17 +253,17 @@ static void run_amx(const PackedLinear& w, const uint16_t* xb, int64_t block0, i
     }
 }
 
-// One group of up to four strips (64 columns) for all row blocks: pairs of blocks on pairs of strips (an odd
-// strip alone), then an odd last block on all the strips at once. Any shape gives the same arithmetic per element.
-static void strip_group_amx(const PackedLinear& w, const uint16_t* xb, int64_t m, int64_t s0, int64_t nb, float* out,
-                            float* y, int64_t y_stride) {
-  const int64_t blocks = (m + 15) / 16, pairs_end = blocks / 2 * 2;
+// One group of up to four strips (64 columns) for row blocks [first, last): pairs of blocks on pairs of strips (an
+// odd strip alone), then an odd last block on all the strips at once. Any shape gives the same arithmetic per element.
+static void strip_group_amx(const PackedLinear& w, const uint16_t* xb, int64_t m, int64_t first, int64_t last,
+                            int64_t s0, int64_t nb, float* out, float* y, int64_t y_stride) {
+  const int64_t pairs_end = first + (last - first) / 2 * 2;
   int64_t b = 0;
   for (; b + 2 <= nb; b += 2)
-    for (int64_t block = 0; block < pairs_end; block += 2) run_amx<2, 2>(w, xb, block, m, s0 + b, out, y, y_stride);
+    for (int64_t block = first; block < pairs_end; block += 2) run_amx<2, 2>(w, xb, block, m, s0 + b, out, y, y_stride);
   if (b < nb)
-    for (int64_t block = 0; block < pairs_end; block += 2) run_amx<2, 1>(w, xb, block, m, s0 + b, out, y, y_stride);
-  if (pairs_end < blocks) {
+    for (int64_t block = first; block < pairs_end; block += 2) run_amx<2, 1>(w, xb, block, m, s0 + b, out, y, y_stride);
+  if (pairs_end < last) {
     switch (nb) {
       case 4: run_amx<1, 4>(w, xb, pairs_end, m, s0, out, y, y_stride); break;
       case 3: run_amx<1, 3>(w, xb, pairs_end, m, s0, out, y, y_stride); break;
@@ -271,18 +273,28 @@ static void strip_group_amx(const PackedLinear& w, const uint16_t* xb, int64_t m
   }
 }
 
+// Activation bytes a chunk of row blocks may take: each thread runs all its strips on one chunk before the next, so
+// a chunk's activation tiles stay in L2 while the strips' weights stream past (prompts of 512 rows x 4864 k hold 5 MB).
+constexpr int64_t AMX_ROW_CHUNK_BYTES = 1 << 20;
+
 static void linear_amx(const PackedLinear& w, const float* x, int64_t m, int64_t x_stride, float* y,
                        int64_t y_stride) {
   const int64_t blocks = (m + 15) / 16;
-  std::vector<uint16_t> xb(blocks * 16 * w.k_pad, 0);  // zero rows pad the last block to 16
-  round_rows_to_bf16(x, m, w.k, x_stride, xb.data(), w.k_pad);
+  // activations in tile order (torch's allocator aligns them to 64 bytes); rows past m pad the last block with 0
+  const at::Tensor tiles = at::empty({blocks * 16 * w.k_pad}, at::kBFloat16);
+  uint16_t* xb = reinterpret_cast<uint16_t*>(tiles.data_ptr());
+  if (m % 16) std::memset(xb + (blocks - 1) * 16 * w.k_pad, 0, 16 * w.k_pad * sizeof(uint16_t));
+  round_rows_to_bf16_tiles(x, m, w.k, x_stride, xb, w.k_pad);
   constexpr int NB = 4;
   const int64_t strips = w.n_pad / 16, groups = (strips + NB - 1) / NB;
+  const int64_t chunk = std::max<int64_t>(2, AMX_ROW_CHUNK_BYTES / (16 * w.k_pad * 2) / 2 * 2);  // whole pairs
   at::parallel_for(0, groups, 1, [&](int64_t g0, int64_t g1) {
     configure_bf16_tiles();  // tile state is per thread
     alignas(64) float out[4 * 256];
-    for (int64_t g = g0; g < g1; ++g)
-      strip_group_amx(w, xb.data(), m, g * NB, std::min<int64_t>(NB, strips - g * NB), out, y, y_stride);
+    for (int64_t first = 0; first < blocks; first += chunk)
+      for (int64_t g = g0; g < g1; ++g)
+        strip_group_amx(w, xb, m, first, std::min(blocks, first + chunk), g * NB, std::min<int64_t>(NB, strips - g * NB),
+                        out, y, y_stride);
   });
 }
 

@@ -95,6 +95,36 @@ inline void round_rows_to_bf16(const float* x, int64_t m, int64_t k, int64_t x_s
   });
 }
 
+// The same rounding into AMX tile order, [row / 16][k / 32][row % 16][32 k]: each 16-row x 32-k activation tile is
+// one contiguous KiB. Every row's k_pad (a multiple of 32) is written, k past k as 0; padding rows are the caller's.
+__attribute__((target("avx512f,avx512bw,avx512bf16"))) inline void round_row_to_tiles_avx512bf16(const float* x, int64_t k,
+                                                                                               uint16_t* xt) {
+  for (int64_t k0 = 0; k0 < k; k0 += 32) {
+    const __mmask16 m0 = k0 + 16 <= k ? __mmask16(0xffff) : __mmask16((1u << std::max<int64_t>(0, k - k0)) - 1);
+    const __mmask16 m1 = k0 + 32 <= k ? __mmask16(0xffff) : __mmask16((1u << std::max<int64_t>(0, k - k0 - 16)) - 1);
+    uint16_t* tile_row = xt + (k0 / 32) * 512;
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(tile_row), (__m256i)_mm512_cvtneps_pbh(_mm512_maskz_loadu_ps(m0, x + k0)));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(tile_row + 16),
+                        (__m256i)_mm512_cvtneps_pbh(_mm512_maskz_loadu_ps(m1, x + k0 + 16)));
+  }
+}
+
+inline void round_rows_to_bf16_tiles(const float* x, int64_t m, int64_t k, int64_t x_stride, uint16_t* xt,
+                                     int64_t k_pad) {
+  static const bool vector = cpu_has(Isa::avx512bf16);
+  at::parallel_for(0, m, 8, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      uint16_t* first = xt + (r / 16) * 16 * k_pad + (r % 16) * 32;  // the row's slot in its block's first tile
+      if (vector) {
+        round_row_to_tiles_avx512bf16(x + r * x_stride, k, first);
+      } else {
+        for (int64_t kk = 0; kk < k_pad; ++kk)
+          first[(kk / 32) * 512 + kk % 32] = kk < k ? float_to_bf16(x[r * x_stride + kk]) : uint16_t(0);
+      }
+    }
+  });
+}
+
 // Threads split the output columns only, in groups of up to NB strips of 16: tile(s0, nb) for each group.
 // No thread ever shares a reduction over k, which is what keeps rows independent of the row count.
 template <int NB, typename Tile>

@@ -143,11 +143,11 @@ __attribute__((target("avx512f"))) static void attend_group16(const float* q, fl
 
 // One task's operands in tile layouts, rebuilt per task (a request's keys are read once for all its rows).
 struct AmxScratch {
-  std::vector<uint32_t> keys;    // K^T: [16-key block][head_dim / 32][16 dim pairs][16 keys], bf16 pairs
-  std::vector<uint16_t> values;  // V: [32-key block][head_dim / 16][16 key pairs][16 dims][2 keys]
-  std::vector<uint16_t> queries; // [16][head_dim] bf16
-  std::vector<float> scores;     // [16][padded keys]
-  std::vector<uint16_t> weights; // softmax numerators, bf16 [16][padded keys]
+  AlignedVector<uint32_t> keys;    // K^T: [16-key block][head_dim / 32][16 dim pairs][16 keys], bf16 pairs
+  AlignedVector<uint16_t> values;  // V: [32-key block][head_dim / 16][16 key pairs][16 dims][2 keys]
+  AlignedVector<uint16_t> queries; // [16][head_dim] bf16
+  std::vector<float> scores;       // [16][padded keys]
+  AlignedVector<uint16_t> weights; // softmax numerators, bf16 [16][padded keys]
 };
 
 // r[i][j] -> r[j][i] for a 16 x 16 block of 32-bit values.

@@ -176,8 +176,8 @@ static void linear_scalar(const PackedLinear& w, const float* x, int64_t m, int6
 constexpr int PREFETCH_STEPS = 6;  // k steps of 32 a weight prefetch runs ahead
 template <int MB, int NB>
 __attribute__((target("amx-tile,amx-bf16,avx512f"))) static void tile_amx(const PackedLinear& w, int64_t s0,
-                                                                          const uint16_t* xt,
-                                                                          float* out /* [MB][NB][16][16] */) {
+                                                                          const uint16_t* xt, float* const* dest,
+                                                                          const int64_t* dest_stride) {
   static_assert(MB <= 2 && MB * NB <= 4, "four accumulator tiles, two activation tiles");
   _tile_zero(0);
   if (MB * NB > 1) _tile_zero(1);
@@ -226,11 +226,12 @@ __attribute__((target("amx-tile,amx-bf16,avx512f"))) static void tile_amx(const 
       }
     }
   }
-  // accumulator of (block i, strip b): tile b for MB == 1, i + 2 * b for MB == 2
-  _tile_stored(0, out, 64);
-  if (MB * NB > 1) _tile_stored(1, out + 256, 64);
-  if (MB * NB > 2) _tile_stored(2, out + 512, 64);
-  if (MB * NB > 3) _tile_stored(3, out + 768, 64);
+  // accumulator of (block i, strip b): tile b for MB == 1, i + 2 * b for MB == 2; each to dest[tile] (bytes a row:
+  // dest_stride[tile])
+  _tile_stored(0, dest[0], dest_stride[0]);
+  if (MB * NB > 1) _tile_stored(1, dest[1], dest_stride[1]);
+  if (MB * NB > 2) _tile_stored(2, dest[2], dest_stride[2]);
+  if (MB * NB > 3) _tile_stored(3, dest[3], dest_stride[3]);
 }
 
 // Copies an accumulator tile (16 x 16 fp32, rows from row0, columns from col) into y.
@@ -242,14 +243,27 @@ __attribute__((target("avx512f"))) static void store_amx_tile(const PackedLinear
     _mm512_mask_storeu_ps(y + (row0 + r) * y_stride + col, columns, _mm512_load_ps(tile + r * 16));
 }
 
+// A whole accumulator tile (16 rows, 16 columns inside y) is stored straight into y; a ragged one goes through
+// `out` and is copied.
 template <int MB, int NB>
 static void run_amx(const PackedLinear& w, const uint16_t* xb, int64_t block0, int64_t m, int64_t s0, float* out,
                     float* y, int64_t y_stride) {
-  tile_amx<MB, NB>(w, s0, xb + block0 * 16 * w.k_pad, out);
+  float* dest[4];
+  int64_t dest_stride[4];
+  bool whole[4];
   for (int i = 0; i < MB; ++i)
     for (int b = 0; b < NB; ++b) {
       const int t = MB == 1 ? b : i + 2 * b;
-      store_amx_tile(w, out + t * 256, (block0 + i) * 16, m, (s0 + b) * 16, y, y_stride);
+      const int64_t row0 = (block0 + i) * 16, col = (s0 + b) * 16;
+      whole[t] = row0 + 16 <= m && col + 16 <= w.n;
+      dest[t] = whole[t] ? y + row0 * y_stride + col : out + t * 256;
+      dest_stride[t] = whole[t] ? y_stride * int64_t(sizeof(float)) : 64;
+    }
+  tile_amx<MB, NB>(w, s0, xb + block0 * 16 * w.k_pad, dest, dest_stride);
+  for (int i = 0; i < MB; ++i)
+    for (int b = 0; b < NB; ++b) {
+      const int t = MB == 1 ? b : i + 2 * b;
+      if (!whole[t]) store_amx_tile(w, out + t * 256, (block0 + i) * 16, m, (s0 + b) * 16, y, y_stride);
     }
 }
 

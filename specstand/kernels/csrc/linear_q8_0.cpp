@@ -77,7 +77,7 @@ PackedLinear pack_linear_q8_0(const at::Tensor& q, const at::Tensor& d, Isa isa)
 // The rows' activations on their fixed-point grids: per row, k_pad high and low int8 halves, and per block
 // the step exponent and 128 x the sum of the fixed-point values (the offset the unsigned weights add).
 struct FixedPointRows {
-  std::vector<int8_t> high, low;
+  AlignedVector<int8_t> high, low;  // AMX-INT8 loads 16-row tiles of them
   std::vector<float> step;       // 2^e per row and block
   std::vector<int32_t> offset;   // 128 x sum of the block's fixed-point values
 };
@@ -123,7 +123,7 @@ __attribute__((target("avx512f,avx512bw"))) static void fixed_point_row(const fl
 static FixedPointRows fixed_point_rows(const float* x, int64_t m, int64_t k, int64_t x_stride, int64_t k_pad,
                                        int64_t padded_rows) {
   const int64_t blocks = k_pad / 32;
-  FixedPointRows rows{std::vector<int8_t>(padded_rows * k_pad, 0), std::vector<int8_t>(padded_rows * k_pad, 0),
+  FixedPointRows rows{AlignedVector<int8_t>(padded_rows * k_pad, 0), AlignedVector<int8_t>(padded_rows * k_pad, 0),
                       std::vector<float>(padded_rows * blocks, 0.0f), std::vector<int32_t>(padded_rows * blocks, 0)};
   at::parallel_for(0, m, 8, [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r)

@@ -212,6 +212,7 @@ class AdaptiveVerifier:
     _backoff: int = 0
     _probing: bool = False  # the first drafting step after a pause verifies a token of every draft
     _probe_step: bool = False  # this step is such a probe: its outcomes refit the estimate at once
+    _paid: bool = False  # the latest budgeted step was faster than plain decoding would have been
     _ledger: dict[int, _Ledger] = field(default_factory=dict)  # request id -> its account
     _step: _Step | None = None  # the step `trim` cut, until the next (None: a step without drafting)
 
@@ -225,6 +226,13 @@ class AdaptiveVerifier:
             self._probing = self._pause == 0
             return False
         return True
+
+    @property
+    def probing(self) -> bool:
+        """Whether a drafting step is for outcomes more than tokens: until a budgeted step has found drafting
+        faster than plain decoding (the warm-up before the first fit, the first budget after it, and every
+        probe after a pause)."""
+        return not self._paid
 
     @property
     def draft_seconds(self) -> float:
@@ -274,7 +282,8 @@ class AdaptiveVerifier:
     def _pause_if_plain_is_faster(self, requests: int, expected: float, drafted_pass: float, plain_seconds: float,
                                   this_draft: float) -> None:
         """Pause drafting when the step's budget is slower than plain decoding would have been."""
-        if (requests + expected) / (self.draft_seconds + drafted_pass) < requests / plain_seconds:
+        self._paid = (requests + expected) / (self.draft_seconds + drafted_pass) >= requests / plain_seconds
+        if not self._paid:
             self._backoff = min(max(2 * self._backoff, 1), self.max_pause)
             paid_for = math.ceil(this_draft / (self.probe_share * plain_seconds))  # this step's drafting
             self._pause = min(max(self._backoff, paid_for), self.longest_pause)

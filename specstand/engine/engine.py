@@ -73,6 +73,7 @@ class _Running:
     # tapped hidden rows of the positions its decode passes kept, in order (kept only where a finished
     # request's answer stays reusable: see Engine._reuse_answers)
     answer_taps: list[dict[int, torch.Tensor]] = field(default_factory=list)
+    drafted_upto: int = 0  # its length when the drafter was last asked for it (what the drafter has read)
 
     @property
     def decoding(self) -> bool:
@@ -196,7 +197,8 @@ class Engine:
         decoding = [(request_id, state) for request_id, state in self._running.items() if state.decoding]
         drafting = self._adaptive is None or self._adaptive.should_draft()
         started = time.perf_counter()
-        drafts = self._propose([state for _, state in decoding]) if drafting else [Draft([])] * len(decoding)
+        states = [state for _, state in decoding]
+        drafts = self._propose(states, self._probed(states)) if drafting else [Draft([])] * len(decoding)
         proposals = []
         for (request_id, state), draft in zip(decoding, drafts, strict=True):
             if isinstance(draft, Exception):  # the drafter failed this request only
@@ -415,17 +417,32 @@ class Engine:
         self._cached_taps.pop(slot, None)
         self._last_use.pop(slot, None)
 
-    def _propose(self, states: list[_Running]) -> list[Draft | Exception]:
-        """Every decoding request's draft, in one drafter call (block drafters batch their passes); if that
-        call fails, each request is asked alone, so a failure costs only the request it belongs to."""
+    def _probed(self, states: list[_Running]) -> int | None:
+        """The one request a probe drafts for, or None (all of them). A drafter that reads the target's
+        hidden rows first catches up on every row it missed, a whole new prompt or the tokens of a pause:
+        probing every running request would cost that many catch-ups for outcomes that one request gives.
+        So until drafting has been found to pay (adaptive verification's `probing`), it drafts for the
+        request it lags least."""
+        if self._adaptive is None or not self.tap_layers or len(states) < 2 or not self._adaptive.probing:
+            return None
+        return min(range(len(states)), key=lambda i: len(states[i].seq.token_ids) - states[i].drafted_upto)
+
+    def _propose(self, states: list[_Running], only: int | None = None) -> list[Draft | Exception]:
+        """Every decoding request's draft (or request `only`'s alone), in one drafter call (block drafters
+        batch their passes); if that call fails, each request is asked alone, so a failure costs only the
+        request it belongs to."""
         # never draft past max_tokens (the pass emits accepted drafts + 1 target token), nor, where each
         # draft token costs a drafter step, deeper than adaptive verification last found worth verifying
         depth = self.config.num_speculative_tokens
         if self._adaptive is not None and self.drafter is not None and self.drafter.cost_grows_with_depth:
             depth = self._adaptive.depth
-        budgets = [min(depth, s.request.max_tokens - s.emitted - 1) for s in states]
+        budgets = [min(depth, s.request.max_tokens - s.emitted - 1) if only in (None, i) else 0
+                   for i, s in enumerate(states)]
         if self.drafter is None or not any(b > 0 for b in budgets):
             return [Draft([]) for _ in states]
+        for state, budget in zip(states, budgets, strict=True):
+            if budget > 0:
+                state.drafted_upto = len(state.seq.token_ids)
         started = time.perf_counter()
         try:
             drafts: list[Draft | Exception] = list(self.drafter.propose_many([s.seq for s in states], budgets))

@@ -313,3 +313,48 @@ def test_the_engine_charges_each_step_to_the_requests_it_cut(monkeypatch):
         engine.step()
     assert trimmed and set().union(*map(set, trimmed)) == set(first + second)
     assert set(charged) == set(first + second)  # the second batch is charged under its own ids
+
+
+class ReadsHiddenRows(Drafter):
+    """Wrong and slow like WrongAndSlow, but it reads the target's hidden rows (as trained drafters do, which
+    catch up on every row they missed before they draft): records which requests each call drafted for."""
+
+    name = "reads-hidden-rows"
+    tap_layers = (1,)
+
+    def __init__(self) -> None:
+        self.asked: list[list[int]] = []
+
+    def propose(self, seq: SequenceView, max_tokens: int) -> Draft:
+        return self.propose_many([seq], [max_tokens])[0]
+
+    def propose_many(self, seqs: list[SequenceView], max_tokens: list[int]) -> list[Draft]:
+        self.asked.append([seq.request_id for seq, k in zip(seqs, max_tokens, strict=True) if k > 0])
+        time.sleep(0.01)
+        return [Draft([95] * k, confidence=[0.0] * k) if k > 0 else Draft([]) for k in max_tokens]
+
+
+def test_a_probe_of_a_drafter_that_reads_hidden_rows_drafts_for_one_request(monkeypatch):
+    """Warm-up and probes ask such a drafter for one request at a time (the one it lags least: the same one
+    while it runs), so a probe costs one catch-up however many requests run; answers stay plain decoding's."""
+    monkeypatch.setattr(engine_module, "profile_pass_cost", lambda *profile_args: FixedCost([1, 64], [1.0, 7.3]))
+    model = tiny_decoder("llama", torch.float32)
+    requests = [Request(p, 48) for p in random_prompts(3, 20, seed=6)]
+    plain = [r.output_ids for r in Engine(model, None, EngineConfig(4, 512, 3)).generate(requests)]
+    drafter = ReadsHiddenRows()
+    results = Engine(model, drafter, EngineConfig(4, 512, 3, adaptive=True)).generate(requests)
+    assert [r.output_ids for r in results] == plain
+    asked = [ids for ids in drafter.asked if ids]
+    assert len(asked) >= 8  # the warm-up's drafts and some probes after it
+    assert all(len(ids) == 1 for ids in asked)
+    assert len({ids[0] for ids in asked[:8]}) == 1  # the warm-up stays on the request already caught up
+
+
+def test_a_probe_of_a_drafter_without_hidden_rows_drafts_for_every_request(monkeypatch):
+    monkeypatch.setattr(engine_module, "profile_pass_cost", lambda *profile_args: FixedCost([1, 64], [1.0, 7.3]))
+    model = tiny_decoder("llama", torch.float32)
+    drafter = ReadsHiddenRows()
+    drafter.tap_layers = ()  # n-gram and suffix drafts cost the same for one request or all
+    Engine(model, drafter, EngineConfig(4, 512, 3, adaptive=True)).generate(
+        [Request(p, 48) for p in random_prompts(3, 20, seed=6)])
+    assert len(drafter.asked[0]) == 3

@@ -61,6 +61,21 @@ def test_prompt_sized_calls_of_a_wide_input_give_each_row_its_one_row_bits(path)
 
 
 @pytest.mark.parametrize("path", KERNEL_PATHS)
+def test_verify_sized_calls_of_a_long_input_give_each_row_its_one_row_bits(path):
+    """k = 1999 (1000 pairs): from 12 rows the avx512bf16 path streams the next group of 4 strips into L2 during
+    every sweep (a group is 250 KB here, just inside its bound); 13 strips make groups of 4, 4, 4 and 1, so a
+    thread's last full group streams toward a ragged one. Each row must keep its 1-row bits, and near float64."""
+    generator = torch.Generator().manual_seed(3)
+    weight = torch.randn(200, 1999, generator=generator).bfloat16()
+    x = torch.randn(64, 1999, generator=generator) * torch.logspace(-2, 2, 64)[:, None]
+    alone = torch.cat([kernels.linear(weight, x[i : i + 1], path) for i in range(64)])
+    for rows in (12, 13, 17, 31, 64):
+        assert torch.equal(kernels.linear(weight, x[:rows], path), alone[:rows]), rows
+    bound = 1999 * 2.0**-23 * (x.abs().double() @ weight.abs().double().T)
+    assert ((alone.double() - _reference(weight, x, path)).abs() <= bound).all()
+
+
+@pytest.mark.parametrize("path", KERNEL_PATHS)
 def test_peak_rate_is_measured(path):
     assert kernels.peak_macs_per_second(path, 200_000) > 0
 

@@ -228,11 +228,11 @@ class AdaptiveVerifier:
         return True
 
     @property
-    def probing(self) -> bool:
-        """Whether a drafting step is for outcomes more than tokens: until a budgeted step has found drafting
-        faster than plain decoding (the warm-up before the first fit, the first budget after it, and every
-        probe after a pause)."""
-        return not self._paid
+    def drafting_pays(self) -> bool:
+        """Whether the latest budgeted step found drafting faster than plain decoding. Until one has (the
+        warm-up before the first fit, the first budget after it, every probe after a pause), a drafting step
+        is for outcomes more than tokens."""
+        return self._paid
 
     @property
     def draft_seconds(self) -> float:

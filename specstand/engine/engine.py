@@ -421,9 +421,9 @@ class Engine:
         """The one request a probe drafts for, or None (all of them). A drafter that reads the target's
         hidden rows first catches up on every row it missed, a whole new prompt or the tokens of a pause:
         probing every running request would cost that many catch-ups for outcomes that one request gives.
-        So until drafting has been found to pay (adaptive verification's `probing`), it drafts for the
+        So until drafting has been found to pay (`AdaptiveVerifier.drafting_pays`), it drafts for the
         request it lags least."""
-        if self._adaptive is None or not self.tap_layers or len(states) < 2 or not self._adaptive.probing:
+        if self._adaptive is None or not self.tap_layers or len(states) < 2 or self._adaptive.drafting_pays:
             return None
         return min(range(len(states)), key=lambda i: len(states[i].seq.token_ids) - states[i].drafted_upto)
 

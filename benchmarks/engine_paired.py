@@ -4,7 +4,7 @@ alone: no server, no HTTP, each batch started together (the stand, `specstand be
 their arrival times). Prints each method's total seconds per round and its speedup over the first method.
 
     python benchmarks/engine_paired.py --workload heldout.jsonl --model qwen2.5-coder-0.5b --dtype q8_0 \\
-        --users 4 --methods none,eagle3,eagle3+adaptive --calls 12 --rounds 2
+        --users 4 --methods none,eagle3@fixed,eagle3 --calls 12 --rounds 2
 """
 
 from __future__ import annotations
@@ -32,7 +32,8 @@ def main() -> None:
     parser.add_argument("--model", required=True)
     parser.add_argument("--dtype", default="bf16")
     parser.add_argument("--users", type=int, default=4, help="calls decoded together (one batch)")
-    parser.add_argument("--methods", default="none,eagle3,eagle3+adaptive", help="the first is the baseline")
+    parser.add_argument("--methods", default="none,eagle3@fixed,eagle3",
+                        help="the first is the baseline; METHOD@fixed: every draft verified at fixed K")
     parser.add_argument("--calls", type=int, default=12, help="the workload's first calls, in order")
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--threads", type=int, default=2)
@@ -49,9 +50,9 @@ def main() -> None:
     context = max(len(r.prompt_ids) + r.max_tokens for r in requests) + 16
     engines: dict[str, Engine] = {}
     for method in args.methods.split(","):
-        name, _, flag = method.partition("+")
+        name, _, flag = method.partition("@")
         drafter = make_drafter(name, model.decoder, args.model)
-        config = EngineConfig(default_k(drafter, None), context, args.users, adaptive=flag == "adaptive")
+        config = EngineConfig(default_k(drafter, None), context, args.users, adaptive=flag != "fixed")
         engines[method] = Engine(model.decoder, drafter, config)
     bandwidth = [kernels.read_bandwidth_gbs()]
     say(f"# {args.model} {args.dtype}, {len(requests)} calls of {args.workload.name} in batches of {args.users}, "

@@ -136,7 +136,7 @@ def llama_cpp_figures(python: str, model: str, prompt_text: str, tokens: int, th
 
 def profile_step(loaded, prompt_ids: list[int], tokens: int) -> tuple[float, float]:
     """Seconds in target passes and in everything else, over an n-gram-drafted greedy answer."""
-    engine = Engine(loaded.decoder, make_drafter("ngram"), EngineConfig(7, 1024, 1))
+    engine = Engine(loaded.decoder, make_drafter("ngram"), EngineConfig(7, 1024, 1, adaptive=False))  # a full K
     spent = [0.0]
     run = engine.runner.run
 

@@ -95,9 +95,10 @@ def build_parser() -> argparse.ArgumentParser:
                        help="an OpenAI-compatible server to measure (repeatable)")
     bench.add_argument("--model", default=None, help="start specstand servers for this model")
     bench.add_argument("--method", action="append", default=[],
-                       help="method(s) to serve (repeatable or a,b,c); METHOD+adaptive: with adaptive verification")
-    bench.add_argument("--adaptive", action="store_true",
-                       help="also serve every drafted method with adaptive verification (as METHOD+adaptive)")
+                       help="method(s) to serve (repeatable or a,b,c), with adaptive verification; METHOD@fixed: "
+                            "every draft verified at fixed K")
+    bench.add_argument("--fixed", action="store_true",
+                       help="also serve every drafted method at fixed K (as METHOD@fixed)")
     bench.add_argument("--speculative-config", action="append", default=[],
                        help="also serve a target configured by vLLM's JSON (repeatable; needs --model)")
     bench.add_argument("--k", type=int, default=None,
@@ -194,8 +195,9 @@ def _model_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--speculative-config", default=None,
                         help="vLLM's JSON instead of --method/--k/--drafter: method (ngram, suffix, eagle3, dflash, "
                              "mtp), model, num_speculative_tokens, prompt_lookup_min, prompt_lookup_max")
-    parser.add_argument("--adaptive", action="store_true",
-                        help="verify only the draft tokens expected to pay for their rows (load-aware, lossless)")
+    parser.add_argument("--adaptive", action=argparse.BooleanOptionalAction, default=True,
+                        help="verify only the draft tokens expected to pay for their rows (load-aware, lossless; "
+                             "the default); --no-adaptive verifies every draft at fixed K")
 
 
 def read_messages(path: Path) -> list[dict]:
@@ -307,7 +309,7 @@ def _apply_speculative_config(args: argparse.Namespace) -> None:
         raise CliError(f"--speculative-config is not valid JSON: {error}") from None
     if not isinstance(config, dict):
         raise CliError("--speculative-config must be a JSON object")
-    known = {"method", "model", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max"}
+    known = {"method", "model", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max", "adaptive"}
     unknown = sorted(set(config) - known)
     if unknown:
         raise CliError(f"--speculative-config: {', '.join(unknown)} not supported (known: {', '.join(sorted(known))})")
@@ -319,6 +321,10 @@ def _apply_speculative_config(args: argparse.Namespace) -> None:
     if k is not None and (not isinstance(k, int) or isinstance(k, bool)):
         raise CliError("--speculative-config: num_speculative_tokens must be an integer")
     args.k = k
+    adaptive = config.get("adaptive", True)
+    if not isinstance(adaptive, bool):
+        raise CliError("--speculative-config: adaptive must be true or false")
+    args.adaptive = args.adaptive and adaptive
     if config.get("model") is not None:
         args.drafter = Path(str(config["model"]))
     if "prompt_lookup_min" in config or "prompt_lookup_max" in config:
@@ -359,7 +365,7 @@ def cmd_serve(args: argparse.Namespace) -> None:
     config = ServerConfig(args.method, args.k, args.max_batch, args.max_queue, args.served_model_name,
                           args.model, args.drafter, args.ngram, limits, args.adaptive)
     app, worker = build_server(model, config)
-    adaptive = ", adaptive verification" if args.adaptive else ""
+    adaptive = ", adaptive verification" if args.adaptive else ", fixed K"
     if not worker.engine.exact:
         _log(f"{args.model}: not exact here (pass shapes round differently): drafts may change greedy answers")
     _log(f"serving {args.model} with method {args.method} (K={worker.engine.config.num_speculative_tokens}"
@@ -411,9 +417,11 @@ def cmd_record(args: argparse.Namespace) -> None:
 
 def _config_target_name(text: str) -> str:
     """A bench target's name for a --speculative-config: its method and K, checked as `serve` will."""
-    probe = argparse.Namespace(speculative_config=text, method="none", k=None, drafter=None)
+    from specstand.bench.run import FIXED
+
+    probe = argparse.Namespace(speculative_config=text, method="none", k=None, drafter=None, adaptive=True)
     _apply_speculative_config(probe)
-    return f"{probe.method}-cfg" + (f"-k{probe.k}" if probe.k is not None else "")
+    return f"{probe.method}-cfg" + (f"-k{probe.k}" if probe.k is not None else "") + ("" if probe.adaptive else FIXED)
 
 
 def _parse_users(text: str) -> list[int]:
@@ -430,9 +438,10 @@ def cmd_bench(args: argparse.Namespace) -> None:
     import asyncio
 
     from specstand.bench.run import (
-        ADAPTIVE,
+        FIXED,
         BenchConfig,
         Target,
+        bench_method,
         run_bench,
         start_server,
         stop_servers,
@@ -445,16 +454,16 @@ def cmd_bench(args: argparse.Namespace) -> None:
     if args.repeats < 1:
         raise CliError("--repeats must be >= 1")
     turns = load_workload(args.workload)[: args.limit_turns]
-    methods = [m for value in args.method for m in value.split(",") if m]
-    if args.adaptive:
-        methods += [f"{m}{ADAPTIVE}" for m in methods if m != "none" and not m.endswith(ADAPTIVE)]
+    methods = [bench_method(m) for value in args.method for m in value.split(",") if m]
+    if args.fixed:
+        methods += [f"{m}{FIXED}" for m in methods if m != "none" and not m.endswith(FIXED)]
     configured = [(_config_target_name(text), text) for text in args.speculative_config]
     if configured and not args.model:
         raise CliError("--speculative-config needs --model")
     for method in methods:
-        if method.removesuffix(ADAPTIVE) not in METHODS or method == f"none{ADAPTIVE}":
+        if method.removesuffix(FIXED) not in METHODS or method == f"none{FIXED}":
             raise CliError(f"unknown method {method!r} (choose from {', '.join(METHODS)}, each drafted one "
-                           f"optionally with {ADAPTIVE})")
+                           f"optionally with {FIXED})")
     if methods and not args.model:
         raise CliError("--method needs --model")
     if not methods and not args.endpoint:
@@ -476,7 +485,7 @@ def cmd_bench(args: argparse.Namespace) -> None:
         # speedup), which another server loading beside it would distort
         for method in methods:
             targets.append(start_server(method, args.model, args.k, args.max_batch, args.dtype, args.max_seq_len,
-                                        drafters.get(method.removesuffix(ADAPTIVE))))
+                                        drafters.get(method.removesuffix(FIXED))))
             wait_ready(targets[-1])
         for name, text in configured:
             targets.append(start_server(name, args.model, None, args.max_batch, args.dtype, args.max_seq_len,

@@ -20,16 +20,26 @@ def _run(capsys, *argv: str) -> tuple[int, str, str]:
 
 def test_generate_json_with_every_method(capsys, tiny_model_dir):
     outputs = {}
-    for method, flags in (("none", []), ("ngram", []), ("suffix", []), ("suffix", ["--adaptive"])):
+    for method, flags in (("none", []), ("ngram", []), ("suffix", []), ("suffix", ["--no-adaptive"])):
         code, out, _ = _run(capsys, "generate", "--model", str(tiny_model_dir), "--method", method,
                             "--prompt", "w3 w4 w5 w3 w4 w5 w3 w4", "--max-tokens", "12", "--json", *flags)
         assert code == 0
         result = json.loads(out)
         assert {"text", "token_ids", "stats", "tokens_per_second"} <= result.keys()
         assert result["stats"]["tau"] >= 1.0 and result["stats"]["target_passes"] >= 1
-        assert result["adaptive"] == bool(flags)
+        assert result["adaptive"] == (not flags)  # adaptive verification unless told --no-adaptive
         outputs[method + "".join(flags)] = result["token_ids"]
-    assert outputs["ngram"] == outputs["none"] == outputs["suffix"] == outputs["suffix--adaptive"]
+    assert outputs["ngram"] == outputs["none"] == outputs["suffix"] == outputs["suffix--no-adaptive"]
+
+
+def test_speculative_config_turns_adaptive_verification_off_or_refuses_a_non_boolean(capsys, tiny_model_dir):
+    argv = ["generate", "--model", str(tiny_model_dir), "--prompt", "w3 w4 w3 w4", "--max-tokens", "4", "--json"]
+    code, out, _ = _run(capsys, *argv, "--speculative-config", '{"method": "suffix", "adaptive": false}')
+    assert code == 0 and json.loads(out)["adaptive"] is False
+    code, out, _ = _run(capsys, *argv, "--speculative-config", '{"method": "suffix"}')
+    assert code == 0 and json.loads(out)["adaptive"] is True
+    code, out, err = _run(capsys, *argv, "--speculative-config", '{"method": "suffix", "adaptive": "no"}')
+    assert code != 0 and out == "" and "adaptive must be true or false" in err
 
 
 @pytest.mark.skipif(not KERNEL_PATHS, reason="q8_0 runs on the kernels, which do not build here")

@@ -26,7 +26,13 @@ from specstand.workloads import Turn
 SERVER_START_TIMEOUT_S = 600
 
 
-ADAPTIVE = "+adaptive"  # a bench method name's suffix: serve that method with adaptive verification
+FIXED = "@fixed"  # a bench method name's suffix: serve that method at fixed K (adaptive verification is the default)
+
+
+def bench_method(name: str) -> str:
+    """A bench method name as the stand reports it: METHOD+adaptive, the spelling from before adaptive
+    verification became the default, is METHOD."""
+    return name.removesuffix("+adaptive")
 
 
 @dataclass
@@ -57,9 +63,9 @@ def _free_port() -> int:
 def start_server(method: str, model: str, k: int | None, max_batch: int, dtype: str, max_seq_len: int,
                  drafter: Path | None = None, speculative_config: str | None = None) -> Target:
     """`specstand serve` in its own process (its own threads, so targets do not share the engine).
-    k None: the method's default (DFlash: its block size - 1). A method named METHOD+adaptive serves
-    METHOD with adaptive verification. With `speculative_config` (vLLM's JSON) the server is configured
-    by it, and `method` only names the target."""
+    k None: the method's default (DFlash: its block size - 1). A method is served with adaptive verification;
+    one named METHOD@fixed verifies every draft at fixed K. With `speculative_config` (vLLM's JSON) the server
+    is configured by it, and `method` only names the target."""
     port = _free_port()
     log = Path(tempfile.mkstemp(prefix=f"specstand-serve-{method}-", suffix=".log")[1])
     cmd = [sys.executable, "-m", "specstand.cli", "serve", "--model", model,
@@ -70,8 +76,8 @@ def start_server(method: str, model: str, k: int | None, max_batch: int, dtype: 
         config = json.loads(speculative_config)
         k = config.get("num_speculative_tokens") or 5
     else:
-        base = method.removesuffix(ADAPTIVE)
-        cmd += ["--method", base] + (["--adaptive"] if base != method else [])
+        base = method.removesuffix(FIXED)
+        cmd += ["--method", base] + (["--no-adaptive"] if base != method else [])
         cmd += ["--k", str(k)] if k is not None else []
         cmd += ["--drafter", str(drafter)] if drafter is not None else []
         if k is None and base != "none":

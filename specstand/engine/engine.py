@@ -34,7 +34,8 @@ class EngineConfig:
     max_batch: int = 1  # requests decoded together (cache slots)
     exact: bool = True  # fix pass shapes so greedy output cannot depend on draft lengths
     prefix_reuse: bool = True  # start a prompt from the longest cached prompt head of any slot
-    adaptive: bool = False  # verify only the draft tokens that pay for their rows (engine/adaptive.py)
+    # verify only the draft tokens that pay for their rows (engine/adaptive.py); False: every draft at fixed K
+    adaptive: bool = True
 
     def __post_init__(self) -> None:
         if self.num_speculative_tokens < 0:

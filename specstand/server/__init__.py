@@ -26,7 +26,7 @@ class ServerConfig:
     drafter_path: Path | None = None
     ngram: NgramConfig | None = None  # n-gram sizes (vLLM's prompt_lookup_min/max)
     limits: ServerLimits = ServerLimits()
-    adaptive: bool = False  # adaptive verification (engine/adaptive.py)
+    adaptive: bool = True  # adaptive verification (engine/adaptive.py); False: fixed K
 
 
 def build_server(model: LoadedModel, config: ServerConfig):

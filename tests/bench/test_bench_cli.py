@@ -18,11 +18,11 @@ def test_bench_runs_methods_side_by_side(tmp_path, tiny_model_dir, capsys):
     save_workload(turns, workload)
     out = tmp_path / "report"
     code = main(["bench", "--workload", str(workload), "--model", str(tiny_model_dir), "--method", "none,ngram",
-                 "--method", "suffix+adaptive", "--users", "1,2", "--repeats", "1", "--out", str(out)])
+                 "--method", "suffix@fixed", "--users", "1,2", "--repeats", "1", "--out", str(out)])
     printed = capsys.readouterr().out
     assert code == 0
     assert "| turn p50, U=2 (s) |" in printed and "| identical to none | 100.0% | 100.0% | 100.0% |" in printed
-    assert "suffix+adaptive" in printed
+    assert "suffix@fixed" in printed
     raw = json.loads((out / "report.json").read_text())
     assert raw["complete"] and len(raw["runs"]) == 3 * 2
     assert raw["config"]["max_seq_len"] == 256  # sized from the workload: short prompts, 12-token answers
@@ -42,7 +42,7 @@ def test_bench_argument_errors(tmp_path, capsys):
         (["--users", "0"], "--users needs counts >= 1"),
         (["--users", "a,b"], "comma-separated integers"),
         (["--method", "none"], "--method needs --model"),
-        (["--model", "m", "--method", "none+adaptive"], "unknown method"),
+        (["--model", "m", "--method", "none@fixed"], "unknown method"),
         ([], "give --endpoint"),
         (["--endpoint", "nourl"], "NAME=URL"),
     ):

@@ -59,7 +59,7 @@ def test_engine_samples_the_targets_law_with_sampled_drafts(method, trained, tin
     drafts_with_q = []
     propose_many = drafter.propose_many
     drafter.propose_many = lambda seqs, ks: drafts_with_q.extend(propose_many(seqs, ks)) or drafts_with_q[-len(seqs):]
-    engine = Engine(decoder, drafter, EngineConfig(2, 128, 16))
+    engine = Engine(decoder, drafter, EngineConfig(2, 128, 16, adaptive=False))
     results = engine.generate([Request(prompt, 3, SamplingParams(**PARAMS, seed=seed)) for seed in range(SAMPLES)])
     assert drafts_with_q and all(d.probs is not None for d in drafts_with_q if d.tokens)
     # verification was exercised (a drawn draft lands outside the target's top-k more often than an argmax)

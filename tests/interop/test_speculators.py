@@ -105,7 +105,7 @@ def _tau(folder: Path, target, data: Path) -> float:
     requests = [Request(r.prompt_ids, 40) for r in rows if r.split == "train"]
     drafter = make_drafter(read_drafter(folder)[0].method, target.decoder, drafter_path=folder)
     stats = DecodeStats()
-    for result in Engine(target.decoder, drafter, EngineConfig(8, 512, 2)).generate(requests):
+    for result in Engine(target.decoder, drafter, EngineConfig(8, 512, 2, adaptive=False)).generate(requests):
         stats.merge(result.stats)
     return stats.tau
 
@@ -164,7 +164,7 @@ def test_import_of_a_zlab_dflash_checkpoint_drafts_like_the_original(tiny_target
     outputs = []
     for folder in (full, imported):
         drafter = make_drafter("dflash", tiny_target.decoder, drafter_path=folder)
-        results = Engine(tiny_target.decoder, drafter, EngineConfig(7, 512, 1)).generate(requests)
+        results = Engine(tiny_target.decoder, drafter, EngineConfig(7, 512, 1, adaptive=False)).generate(requests)
         outputs.append([(r.output_ids, r.stats.accepted_per_position) for r in results])
     assert outputs[0] == outputs[1]
 

@@ -52,7 +52,7 @@ def _requests(data: Path, target) -> list[Request]:
 @pytest.mark.parametrize("method", list(TRAINED))
 def test_copying_a_deterministic_target_reaches_high_acceptance(method, trained, tiny_target, tiny_data):
     drafter = make_drafter(method, tiny_target.decoder, drafter_path=trained[method, LONG_RUN])
-    engine = Engine(tiny_target.decoder, drafter, EngineConfig(5, 512, 2))
+    engine = Engine(tiny_target.decoder, drafter, EngineConfig(5, 512, 2, adaptive=False))
     stats = DecodeStats()
     for result in engine.generate(_requests(tiny_data, tiny_target)):
         stats.merge(result.stats)
@@ -234,7 +234,7 @@ def test_drafters_train_on_hybrid_targets_and_stay_lossless(family, tiny_target,
         train(TrainConfig(method, [str(data)], str(out), steps=8, pack_tokens=256, lr=3e-3, draft_vocab_size=64),
               target, log=lambda _: None)
         drafter = make_drafter(method, decoder, drafter_path=out)
-        drafted = Engine(decoder, drafter, EngineConfig(5, 512, 2)).generate(requests)
+        drafted = Engine(decoder, drafter, EngineConfig(5, 512, 2, adaptive=False)).generate(requests)
         assert [r.output_ids for r in drafted] == plain, method
         assert sum(r.stats.passes_with_draft for r in drafted) > 0, method
 

@@ -5,8 +5,11 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
+import logging
+import os
 import sys
 import time
+import traceback
 from pathlib import Path
 
 from specstand.drafters import METHODS
@@ -14,6 +17,9 @@ from specstand.engine import GenerationResult
 
 DTYPE_CHOICES = ["bf16", "fp32", "q8_0"]  # models/loading.py DTYPES
 DTYPE_HELP = "weights: bf16, fp32, or q8_0 (bf16 model, linears as Q8_0 blocks: about half the bytes a pass reads)"
+TOOL_CALL_PARSERS = ["hermes", "json"]  # server/tool_calls.py PARSERS
+API_KEY_ENV = "SPECSTAND_API_KEY"
+DEBUG_ENV = "SPECSTAND_DEBUG"  # set to 1: a failure prints its full traceback instead of one line
 KEEP_ALIVE_S = 75  # serve: seconds an idle HTTP connection stays open
 
 
@@ -54,13 +60,24 @@ def build_parser() -> argparse.ArgumentParser:
     source.add_argument("--messages-file", type=Path, help="OpenAI chat messages JSON; chat template applied")
     gen.add_argument("--json", action="store_true", help="print one JSON object")
 
-    serve = commands.add_parser("serve", help="OpenAI-compatible server with continuous batching")
-    _model_args(serve)
-    serve.add_argument("--host", default="127.0.0.1")
-    serve.add_argument("--port", type=int, default=8000)
-    serve.add_argument("--max-batch", type=int, default=8, help="requests decoded together")
+    serve = commands.add_parser("serve", help="OpenAI-compatible server with continuous batching (vLLM's flags)")
+    serve.add_argument("model_name", nargs="?", default=None, metavar="MODEL",
+                       help="preset name, model folder or hub id (as --model, which it replaces)")
+    _model_args(serve, vllm_spellings=True)
+    serve.set_defaults(model=None)  # so that MODEL and --model can be told apart
+    serve.add_argument("--host", default="127.0.0.1", help="address to listen on")
+    serve.add_argument("--port", type=int, default=8000, help="port to listen on")
+    serve.add_argument("--max-batch", "--max-num-seqs", dest="max_batch", type=int, default=8,
+                       help="requests decoded together")
     serve.add_argument("--max-queue", type=int, default=64, help="requests in flight before 429")
-    serve.add_argument("--served-model-name", default="")
+    serve.add_argument("--served-model-name", default="", help="the model's name in the API (default: --model)")
+    serve.add_argument("--enable-auto-tool-choice", action="store_true",
+                       help="answers to requests offering tools come back as tool_calls where they hold calls")
+    serve.add_argument("--tool-call-parser", choices=TOOL_CALL_PARSERS, default=None,
+                       help="how answers write calls: hermes (<tool_call> tags) or json (a JSON object, bare, "
+                            "fenced or tagged); default: the preset's (json)")
+    serve.add_argument("--api-key", default=os.environ.get(API_KEY_ENV) or None,
+                       help=f"require `Authorization: Bearer KEY` on /v1/* (default: ${API_KEY_ENV})")
     serve.add_argument("--request-timeout", type=float, default=600.0, help="server-side deadline per request (s)")
     serve.add_argument("--max-prompt-chars", type=int, default=1_000_000, help="longer prompts get a 400")
     serve.add_argument("--max-body-bytes", type=int, default=8 * 2**20, help="larger request bodies get a 413")
@@ -112,7 +129,9 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--baseline", default=None, help="target the others are compared with (default: first)")
     bench.add_argument("--drafter", action="append", type=Path, default=[],
                        help="trained drafter folder for its method (repeatable; default: the shipped one)")
-    bench.add_argument("--out", type=Path, required=True)
+    bench.add_argument("--out", type=Path, required=True, help="folder of the report (report.md, report.json, plots)")
+    bench.add_argument("--api-key", default=os.environ.get(API_KEY_ENV) or None,
+                       help=f"sent as `Authorization: Bearer KEY` to every target (default: ${API_KEY_ENV})")
     _training_parsers(commands)
     return parser
 
@@ -183,14 +202,29 @@ def _training_parsers(commands) -> None:
     imp.add_argument("out", type=Path)
 
 
-def _model_args(parser: argparse.ArgumentParser) -> None:
+def _dtype(text: str) -> str:
+    from specstand.models.loading import ModelError, resolve_dtype
+
+    try:
+        return resolve_dtype(text)
+    except ModelError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
+
+
+def _model_args(parser: argparse.ArgumentParser, vllm_spellings: bool = False) -> None:
+    """The target's flags; with `vllm_spellings` (serve) vLLM's names and dtype spellings are taken too."""
     parser.add_argument("--model", default="smollm2-135m", help="preset name, model folder or hub id")
     parser.add_argument("--method", default="none", help=f"one of {', '.join(METHODS)}")
     parser.add_argument("--k", type=int, default=None,
                         help="most draft tokens verified per pass (default 5; DFlash: block size - 1)")
     parser.add_argument("--drafter", type=Path, default=None, help="trained drafter folder (default: shipped one)")
-    parser.add_argument("--dtype", default="bf16", choices=DTYPE_CHOICES, help=DTYPE_HELP)
-    parser.add_argument("--max-seq-len", type=int, default=2048, help="context (cache capacity) per request")
+    if vllm_spellings:
+        parser.add_argument("--dtype", default="bf16", type=_dtype,
+                            help=DTYPE_HELP + "; or vLLM's bfloat16, float32, auto (bf16)")
+    else:
+        parser.add_argument("--dtype", default="bf16", choices=DTYPE_CHOICES, help=DTYPE_HELP)
+    parser.add_argument("--max-seq-len", *(["--max-model-len"] if vllm_spellings else []), dest="max_seq_len",
+                        type=int, default=2048, help="context (cache capacity) per request")
     parser.add_argument("--speculative-config", default=None,
                         help="vLLM's JSON instead of --method/--k/--drafter: method (ngram, suffix, eagle3, dflash, "
                              "mtp), model, num_speculative_tokens, prompt_lookup_min, prompt_lookup_max")
@@ -343,27 +377,55 @@ def _check_model_args(args: argparse.Namespace) -> None:
         raise CliError(f"--drafter {args.drafter} is not a folder")
 
 
+def _serve_target(args: argparse.Namespace) -> None:
+    """`serve MODEL` (vLLM's spelling) or `serve --model MODEL`, not two different ones."""
+    from specstand.models.presets import DEFAULT_MODEL
+
+    if args.model_name and args.model and args.model_name != args.model:
+        raise CliError(f"two models given: {args.model_name} and --model {args.model}")
+    args.model = args.model_name or args.model or DEFAULT_MODEL
+
+
+def _tool_call_parser(args: argparse.Namespace) -> str | None:
+    """The parser answers are read with, or None when auto tool choice is off."""
+    from specstand.models.presets import default_tool_call_parser
+
+    if not args.enable_auto_tool_choice:
+        if args.tool_call_parser:
+            _log("--tool-call-parser takes effect with --enable-auto-tool-choice: answers stay content")
+        return None
+    return args.tool_call_parser or default_tool_call_parser(args.model)
+
+
 def cmd_serve(args: argparse.Namespace) -> None:
     import uvicorn
 
     from specstand.models import load_model
     from specstand.server import ServerConfig, ServerLimits, build_server
 
+    _serve_target(args)
     _check_model_args(args)
     if args.max_batch < 1 or args.max_queue < 1:
         raise CliError("--max-batch and --max-queue must be >= 1")
-    model = load_model(args.model, args.dtype, args.max_seq_len, log=_log)
     if args.request_timeout <= 0 or args.max_prompt_chars <= 0 or args.max_body_bytes <= 0:
         raise CliError("--request-timeout, --max-prompt-chars and --max-body-bytes must be > 0")
+    if not 0 <= args.port < 2**16:
+        raise CliError(f"--port must be in [0, 65535], not {args.port}")
+    parser = _tool_call_parser(args)
+    # the server's failures go to stderr with their tracebacks (uvicorn keeps its own handlers)
+    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    model = load_model(args.model, args.dtype, args.max_seq_len, log=_log)
     limits = ServerLimits(args.max_body_bytes, args.max_prompt_chars, args.request_timeout)
     config = ServerConfig(args.method, args.k, args.max_batch, args.max_queue, args.served_model_name,
-                          args.model, args.drafter, args.ngram, limits, args.adaptive)
+                          args.model, args.drafter, args.ngram, limits, args.adaptive, parser, args.api_key)
     app, worker = build_server(model, config)
     adaptive = ", adaptive verification" if args.adaptive else ""
     if not worker.engine.exact:
         _log(f"{args.model}: not exact here (pass shapes round differently): drafts may change greedy answers")
+    tools = f", tool calls read as {parser}" if parser else ""
+    key = ", API key required" if args.api_key else ""
     _log(f"serving {args.model} with method {args.method} (K={worker.engine.config.num_speculative_tokens}"
-         f"{adaptive}) on http://{args.host}:{args.port}")
+         f"{adaptive}{tools}{key}) on http://{args.host}:{args.port}")
     try:
         # keep-alive well past the 5 s an httpx client (the openai SDK's) keeps an idle connection: a server
         # that closes first can close one just as the client sends a call on it
@@ -487,7 +549,7 @@ def cmd_bench(args: argparse.Namespace) -> None:
             raise CliError(f"--baseline {baseline!r} is not one of the targets")
         config = BenchConfig(str(args.workload), users, args.repeats, args.out, baseline,
                              {"model": args.model, "dtype": args.dtype, "max_batch": args.max_batch,
-                              "max_seq_len": args.max_seq_len})
+                              "max_seq_len": args.max_seq_len}, args.api_key)
         try:
             table = asyncio.run(run_bench(targets, turns, config))
         except KeyboardInterrupt:
@@ -679,16 +741,22 @@ def main(argv: list[str] | None = None) -> int:
         args = build_parser().parse_args(argv)
         COMMANDS[args.command](args)
     except CliError as error:
-        print(f"specstand: error: {error}", file=sys.stderr)
+        _print_failure(str(error))
         return 2
     except (ValueError, RuntimeError, OSError) as error:
-        message = str(error).splitlines()[0] if str(error) else type(error).__name__
-        print(f"specstand: error: {message}", file=sys.stderr)
+        _print_failure(str(error).splitlines()[0] if str(error) else type(error).__name__)
         return 1
     except KeyboardInterrupt:
         print("specstand: interrupted", file=sys.stderr)
         return 130
     return 0
+
+
+def _print_failure(message: str) -> None:
+    """One line; the whole traceback first where SPECSTAND_DEBUG=1."""
+    if os.environ.get(DEBUG_ENV) == "1":
+        traceback.print_exc()
+    print(f"specstand: error: {message}", file=sys.stderr)
 
 
 if __name__ == "__main__":

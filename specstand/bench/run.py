@@ -46,6 +46,7 @@ class BenchConfig:
     out_dir: Path
     baseline: str
     extra: dict = field(default_factory=dict)
+    api_key: str | None = None  # sent to every target (never written to the report)
 
 
 def _free_port() -> int:
@@ -134,7 +135,7 @@ def stop_servers(targets: list[Target]) -> None:
 
 
 async def run_bench(targets: list[Target], turns: list[Turn], config: BenchConfig) -> str:
-    endpoints = {t.name: OpenAIEndpoint(t.url) for t in targets}
+    endpoints = {t.name: OpenAIEndpoint(t.url, api_key=config.api_key) for t in targets}
     names = [t.name for t in targets]
     k_by_target = {t.name: t.k if t.k is not None else "–" for t in targets}
     runs: list[RunResult] = []

@@ -20,6 +20,18 @@ TargetModel = DecoderModel | HybridModel | TransformersModel
 # q8_0: the model loads in bf16 and its linears run as Q8_0 blocks (int8 + a scale per 32 weights) through
 # the compiled kernels, reading about half the bytes of bf16 per pass
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32, "q8_0": torch.bfloat16}
+DTYPE_SPELLINGS = {"bfloat16": "bf16", "float32": "fp32"}  # vLLM's names -> ours
+
+
+def resolve_dtype(name: str) -> str:
+    """A `--dtype` as given (ours, vLLM's spelling, or `auto`) -> one of DTYPES. `auto` is bf16 for now."""
+    name = DTYPE_SPELLINGS.get(name, name)
+    if name == "auto":
+        return "bf16"
+    if name not in DTYPES:
+        choices = [*DTYPES, *DTYPE_SPELLINGS, "auto"]
+        raise ModelError(f"unknown dtype {name!r} (choose from {', '.join(choices)})")
+    return name
 
 
 class ModelError(ValueError):

@@ -94,6 +94,14 @@ def _strict_upstream():
         body = await request.json()
         if body.get("max_tokens") == 13:
             return JSONResponse({"error": {"message": "upstream broke"}}, 503)
+        if body.get("stream") and body.get("max_tokens") == 31:  # a call streamed as OpenAI streams it
+            async def call_chunks():
+                for delta in ({"index": 0, "id": "c2", "type": "function", "function": {"name": "f", "arguments": ""}},
+                              {"index": 0, "function": {"arguments": "{\"city\": "}},
+                              {"index": 0, "function": {"arguments": "\"Oslo\"}"}}):
+                    yield "data: " + json.dumps({"choices": [{"index": 0, "delta": {"tool_calls": [delta]}}]}) + "\n\n"
+                yield "data: [DONE]\n\n"
+            return StreamingResponse(call_chunks(), media_type="text/event-stream")
         if body.get("stream"):
             async def chunks():
                 for piece in ("{\"a\": ", "1}"):
@@ -130,6 +138,8 @@ def test_headers_statuses_and_tool_calls_pass_through(tmp_path):
             assert streamed.status_code == 503  # not a 200 stream around the error
         with httpx.stream("POST", chat, json={**second, "stream": True}, headers=auth) as streamed:
             assert streamed.status_code == 200 and "[DONE]" in "".join(streamed.iter_lines())
+        with httpx.stream("POST", chat, json={**first, "stream": True, "max_tokens": 31}, headers=auth) as streamed:
+            assert streamed.status_code == 200 and "[DONE]" in "".join(streamed.iter_lines())
         gone, gone_url = _serve(_strict_upstream())
         _stop(gone)
         unreachable, unreachable_url = _serve(create_recorder(gone_url, tmp_path / "none.jsonl"))
@@ -140,8 +150,12 @@ def test_headers_statuses_and_tool_calls_pass_through(tmp_path):
     text = out.read_text()
     assert "s3cret" not in text  # the token went upstream, never to the file
     (turn,) = load_workload(out)
-    assert [c.tools for c in turn.calls] == [tools, tools]
+    assert [c.tools for c in turn.calls] == [tools, tools, tools]
     assert turn.calls[1].messages[1]["content"] is None and turn.calls[1].recorded["answer"] == '{"a": 1}'
+    assert turn.calls[0].recorded["tool_calls"] == [{"name": "f", "arguments": "{}"}]
+    assert "tool_calls" not in turn.calls[1].recorded
+    assert turn.calls[2].recorded["tool_calls"] == [{"name": "f", "arguments": '{"city": "Oslo"}'}]
+    assert turn.calls[2].recorded["answer"] == ""
 
 
 def test_turns_are_appended_once_finished(tmp_path):

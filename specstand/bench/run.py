@@ -20,6 +20,7 @@ from specstand.bench.endpoints import OpenAIEndpoint
 from specstand.bench.replay import assign_turns, replay
 from specstand.bench.report import RunResult, write_report
 from specstand.drafters.trained import BLOCK_METHODS, read_spec, shipped_drafter
+from specstand.models.chat import render_chat
 from specstand.models.loading import resolve_model_path
 from specstand.workloads import Turn
 
@@ -92,8 +93,7 @@ def workload_context(turns: list[Turn], model: str, k: int) -> int:
     longest = 0
     for call in (c for turn in turns for c in turn.calls):
         if call.messages is not None:
-            prompt = tokenizer.apply_chat_template(call.messages, tools=call.tools, add_generation_prompt=True,
-                                                   tokenize=False)
+            prompt = render_chat(tokenizer, call.messages, call.tools)
             tokens = len(tokenizer(prompt, add_special_tokens=False)["input_ids"])
         else:
             tokens = len(tokenizer(call.prompt or "", add_special_tokens=True)["input_ids"])

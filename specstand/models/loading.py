@@ -9,6 +9,7 @@ import torch
 
 from specstand.kernels import KernelsUnavailable
 from specstand.models import gguf_blocks
+from specstand.models.chat import render_chat
 from specstand.models.presets import PRESETS, fetch
 from specstand.runner.compiled import attach_compiled
 from specstand.runner.generic import TransformersModel
@@ -52,10 +53,10 @@ class LoadedModel:
 
     def encode_messages(self, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
         """Messages (OpenAI form, tool calls included) through the model's chat template; `tools` are
-        offered to the model as the template lays them out."""
+        offered to the model as the template lays them out, or as text where it cannot (chat.py)."""
         if not getattr(self.tokenizer, "chat_template", None):
             raise ModelError(f"model {self.name} has no chat template; pass a plain prompt")
-        text = self.tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=True, tokenize=False)
+        text = render_chat(self.tokenizer, messages, tools)
         return self.tokenizer(text, add_special_tokens=False)["input_ids"]
 
     def decode(self, token_ids: list[int]) -> str:

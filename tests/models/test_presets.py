@@ -172,3 +172,11 @@ def test_the_gguf_blocks_stay_out_of_the_weights_other_servers_load(home, monkey
     folder = presets.fetch("fake", log=lambda _: None)
     assert [p.name for p in folder.glob("*.safetensors")] == ["model.safetensors"]
     assert (folder / presets.gguf_blocks.FILE).read_bytes() == b"blocks" and presets.is_fetched("fake")
+
+
+def test_every_preset_names_a_tool_call_parser_the_server_has():
+    from specstand.server.tool_calls import PARSERS
+
+    assert {presets.default_tool_call_parser(name) for name in presets.PRESETS} <= set(PARSERS)
+    assert presets.default_tool_call_parser("qwen2.5-coder-0.5b") == "json"
+    assert presets.default_tool_call_parser("some/hub-model") == "json"

@@ -112,3 +112,13 @@ def test_a_failed_request_logs_its_traceback_with_the_client_id(server, caplog, 
     monkeypatch.undo()
     assert server.client.chat.completions.create(model=server.client.models.list().data[0].id, messages=ASK,
                                                  max_tokens=4).choices[0].message.content
+
+
+def test_a_tool_conversation_renders_on_a_template_without_tools(server):
+    # the scripted template knows no tools: the conversation goes in chat.py's text form, never a 400
+    conversation = [*ASK, {"role": "assistant", "content": None, "tool_calls": [
+        {"id": "call_1", "type": "function", "function": {"name": "Events_3_FindEvents", "arguments": "{}"}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "2 concerts"}]
+    reply = server.client.chat.completions.create(model=server.client.models.list().data[0].id, messages=conversation,
+                                                  tools=TOOLS, temperature=0, max_tokens=200)
+    assert reply.choices[0].finish_reason == "tool_calls"

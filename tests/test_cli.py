@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 import subprocess
 import sys
@@ -208,3 +209,23 @@ def test_debug_prints_the_traceback(capsys, monkeypatch):
     lines = err.strip().splitlines()
     assert code == 1 and lines[0].startswith("Traceback")
     assert lines[-1].startswith("specstand: error: cannot load model")
+
+
+def _options(parser: argparse.ArgumentParser):
+    """Every argument of every command, as (command, argument)."""
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for sub in action.choices.values():
+                yield from _options(sub)
+        elif not isinstance(action, argparse._HelpAction):
+            yield parser.prog, action
+
+
+def test_every_flag_of_every_command_has_help():
+    from specstand.cli import build_parser
+
+    found = list(_options(build_parser()))
+    assert len(found) > 100  # the walk reached the commands' own flags
+    missing = [f"{command} {'/'.join(action.option_strings) or action.dest}" for command, action in found
+               if not (action.help or "").strip()]
+    assert missing == []

@@ -10,7 +10,7 @@ import torch
 from specstand.kernels import KernelsUnavailable
 from specstand.models import gguf_blocks
 from specstand.models.chat import render_chat
-from specstand.models.presets import PRESETS, fetch
+from specstand.models.presets import PRESETS, fetch, preset_dir
 from specstand.runner.compiled import attach_compiled
 from specstand.runner.generic import TransformersModel
 from specstand.runner.hybrid import FAMILIES, HybridModel
@@ -61,6 +61,16 @@ class LoadedModel:
 
     def decode(self, token_ids: list[int]) -> str:
         return self.tokenizer.decode(token_ids, skip_special_tokens=True)
+
+
+def same_model(a: str, b: str) -> bool:
+    """Whether two `--model` values name one model: equal, or the same folder (a preset by name or folder)."""
+    return a == b or _model_identity(a) == _model_identity(b)
+
+
+def _model_identity(model: str) -> str:
+    folder = preset_dir(model) if model in PRESETS else Path(model)
+    return str(folder.resolve()) if folder.is_dir() else model
 
 
 def resolve_model_path(model: str, log=print) -> str:

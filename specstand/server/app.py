@@ -386,7 +386,7 @@ def create_app(model: LoadedModel, worker: EngineWorker, served_name: str, limit
             message = f"this request failed in the engine: {outcome.error}"
         engine_id = "" if isinstance(outcome, Exception) else f" (engine request {outcome.request_id})"
         logger.error("request %s%s: %s", request_id, engine_id, message)
-        return message
+        return f"{message} (request {request_id})"
 
     async def _next_event(events: asyncio.Queue, deadline: float, http: HttpRequest | None):
         """The next engine event, "timeout" past the deadline, or "disconnected" once the client left."""

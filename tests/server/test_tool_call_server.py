@@ -122,3 +122,39 @@ def test_a_tool_conversation_renders_on_a_template_without_tools(server):
     reply = server.client.chat.completions.create(model=server.client.models.list().data[0].id, messages=conversation,
                                                   tools=TOOLS, temperature=0, max_tokens=200)
     assert reply.choices[0].finish_reason == "tool_calls"
+
+
+def _failed_request(server, caplog) -> tuple[str, list[logging.LogRecord]]:
+    with caplog.at_level(logging.ERROR):
+        reply = httpx.post(server.url + "/v1/chat/completions", json={"messages": ASK, "max_tokens": 4},
+                           headers={"Authorization": f"Bearer {KEY}"}, timeout=30)
+    assert reply.status_code == 500
+    request_id = reply.json()["error"]["message"].split("(request ")[1].split(")")[0]
+    return request_id, list(caplog.records)
+
+
+def test_a_request_failed_in_the_engine_is_logged_with_its_traceback_and_id(server, caplog, monkeypatch):
+    def broken_pass(work):
+        raise RuntimeError("pass exploded")
+
+    monkeypatch.setattr(server.worker.engine, "_run", broken_pass)
+    request_id, records = _failed_request(server, caplog)
+    [engine] = [r for r in records if r.name == "specstand.engine.engine"]
+    assert engine.exc_info and "pass exploded" in str(engine.exc_info[1])
+    [served] = [r for r in records if r.name == "specstand.server.app"]
+    engine_request = engine.getMessage().split()[2]  # "engine request N failed"
+    assert request_id in served.getMessage() and f"(engine request {engine_request})" in served.getMessage()
+
+
+def test_a_failed_engine_step_is_logged_by_the_worker(server, caplog, monkeypatch):
+    def broken_step():
+        raise RuntimeError("step exploded")
+
+    monkeypatch.setattr(server.worker.engine, "step", broken_step)
+    request_id, records = _failed_request(server, caplog)
+    [worker] = [r for r in records if r.name == "specstand.server.worker"]
+    assert worker.levelno == logging.ERROR and "step exploded" in str(worker.exc_info[1])
+    assert any(request_id in r.getMessage() for r in records if r.name == "specstand.server.app")
+    monkeypatch.undo()
+    assert server.client.chat.completions.create(model=server.client.models.list().data[0].id, messages=ASK,
+                                                 max_tokens=4).choices[0].message.content

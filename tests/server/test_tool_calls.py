@@ -77,3 +77,23 @@ def test_offered_tool_names_skips_malformed_entries():
     assert offered_tool_names(tools) == {"a"}
     with pytest.raises(ValueError, match="unknown tool-call parser"):
         ToolCallStream("pythonic", frozenset())
+
+
+@pytest.mark.parametrize("parser", ["hermes", "json"])
+def test_random_answers_never_fail_and_stream_as_they_parse(parser):
+    """Answers glued from fragments of calls, tags, fences and prose (seeded): parsing never raises, and any
+    split of the stream gives the whole answer's calls and content."""
+    import random
+
+    rng = random.Random(38)
+    fragments = ["<tool_call>", "</tool_call>", "```json\n", "```", "\n", " ", "{", "}", "[", "]", '"', "\\",
+                 '{"name": "f", "arguments": {"a": 1}}', '{"name": "g", "arguments": {}}', '"name": "f"',
+                 '"arguments": {', "<tool", "``", "prose", "é", "<", "`"]
+    names = frozenset({"f"})
+    for _ in range(300):
+        text = "".join(rng.choice(fragments) for _ in range(rng.randint(0, 12)))
+        whole = parse_answer(text, parser, names)
+        cut = rng.randint(0, len(text))
+        contents, calls = _streamed({"parser": parser, "tools": sorted(names)}, [text[:cut], text[cut:]])
+        assert ("".join(contents) or None) == whole.content, text
+        assert _calls(calls) == _calls(whole.tool_calls), text

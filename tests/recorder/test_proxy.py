@@ -7,6 +7,7 @@ import threading
 import time
 
 import httpx
+import pytest
 import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
@@ -175,3 +176,33 @@ def test_turns_are_appended_once_finished(tmp_path):
     finally:
         _stop(recorder, upstream)
     assert [t.turn_id for t in load_workload(out)] == ["a", "a#2"]
+
+
+def test_an_agent_records_through_to_a_keyed_specstand_server(tmp_path):
+    """The openai client -> recorder -> `specstand serve` with an API key and tool calls: the key goes
+    through (a wrong one gets the server's 401), and the server's tool calls are recorded."""
+    import openai
+
+    from tests.server.scripted_model import save_scripted_model
+    from tests.server.test_server import LiveServer
+    from tests.server.test_tool_call_server import ANSWER, ASK, TOOLS
+
+    folder = save_scripted_model(tmp_path / "scripted", ANSWER["answer"])
+    server = LiveServer(folder, tool_call_parser="json", api_key="k-38")
+    out = tmp_path / "agent.jsonl"
+    recorder, url = _serve(create_recorder(server.url, out))
+    try:
+        agent = openai.OpenAI(base_url=url + "/v1", api_key="k-38", max_retries=0, timeout=60)
+        reply = agent.chat.completions.create(model=agent.models.list().data[0].id, messages=ASK, tools=TOOLS,
+                                              temperature=0, max_tokens=200, extra_headers={"X-Turn-Id": "k"})
+        assert reply.choices[0].finish_reason == "tool_calls"
+        stranger = openai.OpenAI(base_url=url + "/v1", api_key="wrong", max_retries=0, timeout=60)
+        with pytest.raises(openai.AuthenticationError):
+            stranger.chat.completions.create(model="m", messages=ASK, max_tokens=4)
+    finally:
+        _stop(recorder)
+        server.close()
+    (turn,) = load_workload(out)
+    (call,) = turn.calls
+    assert [[c["name"], json.loads(c["arguments"])] for c in call.recorded["tool_calls"]] == ANSWER["calls"]
+    assert call.recorded["answer"] == ANSWER["content"] and "k-38" not in out.read_text()

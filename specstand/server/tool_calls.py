@@ -112,27 +112,42 @@ def parse_calls(text: str, tool_names: frozenset[str]) -> list[tuple[str, str]] 
     return calls or None
 
 
-def _json_end(text: str, start: int) -> int | None:
-    """Where the JSON object or array opening at `start` closes (the index after it), or None while open."""
-    depth, in_string, escaped = 0, False, False
-    for i in range(start, len(text)):
-        char = text[i]
-        if in_string:
-            if escaped:
-                escaped = False
+@dataclass
+class _JsonScan:
+    """Finds where the JSON object or array opening at `start` closes, reading each character once however
+    often it is asked as the text grows (a long open object would otherwise be rescanned on every token)."""
+
+    start: int
+    at: int = -1  # the next character to read
+    depth: int = 0
+    in_string: bool = False
+    escaped: bool = False
+    end: int | None = None  # the index after the closing bracket, once seen
+
+    def close(self, text: str) -> int | None:
+        for i in range(max(self.at, self.start), len(text)):
+            if self.end is not None:
+                break
+            self._read(text[i], i)
+        self.at = len(text)
+        return self.end
+
+    def _read(self, char: str, i: int) -> None:
+        if self.in_string:
+            if self.escaped:
+                self.escaped = False
             elif char == "\\":
-                escaped = True
+                self.escaped = True
             elif char == '"':
-                in_string = False
+                self.in_string = False
         elif char == '"':
-            in_string = True
+            self.in_string = True
         elif char in "{[":
-            depth += 1
+            self.depth += 1
         elif char in "}]":
-            depth -= 1
-            if depth == 0:
-                return i + 1
-    return None
+            self.depth -= 1
+            if self.depth == 0:
+                self.end = i + 1
 
 
 def _partial_suffix(text: str, literal: str) -> int:
@@ -164,6 +179,7 @@ class ToolCallStream:
     _pending_space: str = ""
     _after_call: bool = False  # the content's leading whitespace after a call is dropped
     _said: bool = False  # some content was handed out
+    _bare_scan: _JsonScan | None = None  # of the bare candidate being read
 
     def __post_init__(self) -> None:
         if self.parser not in PARSERS:
@@ -267,5 +283,7 @@ class ToolCallStream:
                 at = first
         if at < 0:
             return None
-        end = _json_end(text, at)
+        if self._bare_scan is None or self._bare_scan.start != at:
+            self._bare_scan = _JsonScan(at)
+        end = self._bare_scan.close(text)
         return _Candidate(at, end, text[at:end] if end is not None else text[at:])

@@ -97,3 +97,17 @@ def test_random_answers_never_fail_and_stream_as_they_parse(parser):
         contents, calls = _streamed({"parser": parser, "tools": sorted(names)}, [text[:cut], text[cut:]])
         assert ("".join(contents) or None) == whole.content, text
         assert _calls(calls) == _calls(whole.tool_calls), text
+
+
+def test_a_long_open_object_is_read_once_as_it_streams(monkeypatch):
+    from specstand.server import tool_calls
+
+    reads = []
+    original = tool_calls._JsonScan._read
+    monkeypatch.setattr(tool_calls._JsonScan, "_read", lambda self, char, i: reads.append(i) or original(self, char, i))
+    stream = ToolCallStream("json", frozenset({"f"}))
+    text = '{"name": "f", "arguments": {"rows": [' + ", ".join(str(i) for i in range(2000)) + "]}}"
+    items = [item for char in text for item in stream.feed(char)] + stream.finish()
+    [call] = items
+    assert json.loads(call.arguments)["rows"] == list(range(2000))
+    assert sorted(reads) == list(range(len(text)))  # every character once, not once per token

@@ -436,7 +436,8 @@ def cmd_serve(args: argparse.Namespace) -> None:
     model = load_model(args.model, args.dtype, args.max_seq_len, log=_log)
     limits = ServerLimits(args.max_body_bytes, args.max_prompt_chars, args.request_timeout)
     config = ServerConfig(args.method, args.k, args.max_batch, args.max_queue, args.served_model_name,
-                          args.model, args.drafter, args.ngram, limits, args.adaptive, parser, args.api_key)
+                          args.model, args.drafter, args.ngram, limits, args.adaptive,
+                          tool_call_parser=parser, api_key=args.api_key)
     app, worker = build_server(model, config)
     adaptive = ", adaptive verification" if args.adaptive else ""
     if not worker.engine.exact:
@@ -568,7 +569,7 @@ def cmd_bench(args: argparse.Namespace) -> None:
             raise CliError(f"--baseline {baseline!r} is not one of the targets")
         config = BenchConfig(str(args.workload), users, args.repeats, args.out, baseline,
                              {"model": args.model, "dtype": args.dtype, "max_batch": args.max_batch,
-                              "max_seq_len": args.max_seq_len}, args.api_key)
+                              "max_seq_len": args.max_seq_len}, api_key=args.api_key)
         try:
             table = asyncio.run(run_bench(targets, turns, config))
         except KeyboardInterrupt:

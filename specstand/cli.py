@@ -5,8 +5,11 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
+import logging
+import os
 import sys
 import time
+import traceback
 from pathlib import Path
 
 from specstand.drafters import METHODS
@@ -14,6 +17,30 @@ from specstand.engine import GenerationResult
 
 DTYPE_CHOICES = ["bf16", "fp32", "q8_0"]  # models/loading.py DTYPES
 DTYPE_HELP = "weights: bf16, fp32, or q8_0 (bf16 model, linears as Q8_0 blocks: about half the bytes a pass reads)"
+TOOL_CALL_PARSERS = ["hermes", "json"]  # server/tool_calls.py PARSERS
+API_KEY_ENV = "SPECSTAND_API_KEY"
+DEBUG_ENV = "SPECSTAND_DEBUG"  # set to 1: a failure prints its full traceback instead of one line
+RECORDED_MODEL_HELP = "the target (default: the one the data or drafter were made with; smollm2-135m for new data)"
+# train's numeric options: name, type, default, help
+TRAIN_OPTIONS = [
+    ("steps", int, 500, "optimizer steps"),
+    ("lr", float, 1e-3, "peak learning rate (linear warm-up, then linear decay)"),
+    ("pack-tokens", int, 2048, "tokens per training pack"),
+    ("save-every", int, 50, "write a checkpoint every this many steps"),
+    ("seed", int, 0, "seed of initialisation and data order"),
+    ("layers", int, 0, "drafter layers (0: the method's default)"),
+    ("intermediate-size", int, 0, "drafter MLP width (0: the target's, capped at 1536)"),
+    ("draft-vocab", int, 8192, "tokens the drafter predicts (the target's most frequent in the data)"),
+    ("num-taps", int, 5, "block methods: target layers read, spread over depth"),
+    ("block-size", int, 8, "block methods: tokens per block"),
+    ("anchors", int, 64, "block methods: blocks trained per pack"),
+    ("train-steps", int, 3, "eagle3/mtp: unrolled training-time-test steps"),
+    ("markov-rank", int, 256, "dspark: rank of its Markov head"),
+    ("conv-kernel-size", int, 2, "dflash2: kernel size of its convolution"),
+    ("selector-rank", int, 256, "dflash2: rank of its ranker"),
+    ("selector-top-k", int, 16, "dflash2: candidates its ranker orders"),
+    ("selector-alpha", float, 1.0, "dflash2: weight of the ranker's loss beside the unary one"),
+]
 KEEP_ALIVE_S = 75  # serve: seconds an idle HTTP connection stays open
 
 
@@ -38,29 +65,40 @@ def build_parser() -> argparse.ArgumentParser:
     models_cmd = models.add_subparsers(dest="models_command", required=True, parser_class=_Parser)
     models_cmd.add_parser("list", help="show the presets and whether they are cached")
     fetch = models_cmd.add_parser("fetch", help="download and convert a preset once")
-    fetch.add_argument("name")
+    fetch.add_argument("name", help="the preset (see `specstand models list`)")
 
     commands.add_parser("doctor", help="CPU features, the kernel path chosen, peak compute and memory bandwidth")
 
     gen = commands.add_parser("generate", help="decode one prompt and print the answer and its stats")
     _model_args(gen)
-    gen.add_argument("--temperature", type=float, default=0.0)
-    gen.add_argument("--top-p", type=float, default=1.0)
-    gen.add_argument("--top-k", type=int, default=0)
-    gen.add_argument("--seed", type=int, default=None)
-    gen.add_argument("--max-tokens", type=int, default=256)
+    gen.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
+    gen.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling: keep this share of probability")
+    gen.add_argument("--top-k", type=int, default=0, help="sample among the k likeliest tokens (0: all)")
+    gen.add_argument("--seed", type=int, default=None, help="sampling seed (default: random)")
+    gen.add_argument("--max-tokens", type=int, default=256, help="most answer tokens")
     source = gen.add_mutually_exclusive_group(required=True)
     source.add_argument("--prompt", help="plain text prompt (no chat template)")
     source.add_argument("--messages-file", type=Path, help="OpenAI chat messages JSON; chat template applied")
     gen.add_argument("--json", action="store_true", help="print one JSON object")
 
-    serve = commands.add_parser("serve", help="OpenAI-compatible server with continuous batching")
-    _model_args(serve)
-    serve.add_argument("--host", default="127.0.0.1")
-    serve.add_argument("--port", type=int, default=8000)
-    serve.add_argument("--max-batch", type=int, default=8, help="requests decoded together")
+    serve = commands.add_parser("serve", help="OpenAI-compatible server with continuous batching (vLLM's flags)")
+    serve.add_argument("model_name", nargs="?", default=None, metavar="MODEL",
+                       help="preset name, model folder or hub id (as --model, which it replaces)")
+    _model_args(serve, vllm_spellings=True)
+    serve.set_defaults(model=None)  # so that MODEL and --model can be told apart
+    serve.add_argument("--host", default="127.0.0.1", help="address to listen on")
+    serve.add_argument("--port", type=int, default=8000, help="port to listen on")
+    serve.add_argument("--max-batch", "--max-num-seqs", dest="max_batch", type=int, default=8,
+                       help="requests decoded together")
     serve.add_argument("--max-queue", type=int, default=64, help="requests in flight before 429")
-    serve.add_argument("--served-model-name", default="")
+    serve.add_argument("--served-model-name", default="", help="the model's name in the API (default: --model)")
+    serve.add_argument("--enable-auto-tool-choice", action="store_true",
+                       help="answers to requests offering tools come back as tool_calls where they hold calls")
+    serve.add_argument("--tool-call-parser", choices=TOOL_CALL_PARSERS, default=None,
+                       help="how answers write calls: hermes (<tool_call> tags) or json (a JSON object, bare, "
+                            "fenced or tagged); default: the preset's (json)")
+    serve.add_argument("--api-key", default=os.environ.get(API_KEY_ENV) or None,
+                       help=f"require `Authorization: Bearer KEY` on /v1/* (default: ${API_KEY_ENV})")
     serve.add_argument("--request-timeout", type=float, default=600.0, help="server-side deadline per request (s)")
     serve.add_argument("--max-prompt-chars", type=int, default=1_000_000, help="longer prompts get a 400")
     serve.add_argument("--max-body-bytes", type=int, default=8 * 2**20, help="larger request bodies get a 413")
@@ -68,29 +106,30 @@ def build_parser() -> argparse.ArgumentParser:
     workload = commands.add_parser("workload", help="import public agent workloads")
     workload_cmd = workload.add_subparsers(dest="workload_command", required=True, parser_class=_Parser)
     imp = workload_cmd.add_parser("import", help="convert a data set into the workload format")
-    imp.add_argument("source", choices=["complexfuncbench", "nestful", "spec-bench"])
-    imp.add_argument("--out", type=Path, required=True)
+    imp.add_argument("source", choices=["complexfuncbench", "nestful", "spec-bench"], help="the data set")
+    imp.add_argument("--out", type=Path, required=True, help="workload file (JSON Lines) to write")
     imp.add_argument("--limit", type=int, default=None, help="at most this many turns")
     imp.add_argument("--skip", type=int, default=0,
                      help="leave out the first N turns that fit (e.g. those a drafter was trained on)")
     imp.add_argument("--max-prompt-chars", type=int, default=6000, help="skip turns with a longer call prompt")
     imp.add_argument("--max-result-chars", type=int, default=600, help="truncate recorded tool results")
     imp.add_argument("--max-tokens", type=int, default=None, help="answer budget per call")
-    imp.add_argument("--spec-bench-file", type=Path, default=None)
+    imp.add_argument("--spec-bench-file", type=Path, default=None,
+                     help="spec-bench: its question.jsonl (default: shared/data/spec_bench/question.jsonl)")
     imp.add_argument("--plain", action="store_true",
                      help="spec-bench: plain-text prompts, for base models without a chat template")
     imp.add_argument("--per-category", type=int, default=None, help="spec-bench: at most this many per category")
 
     record = commands.add_parser("record", help="pass-through proxy that records an agent's calls as a workload")
     record.add_argument("--upstream", required=True, help="the OpenAI-compatible server the agent uses")
-    record.add_argument("--host", default="127.0.0.1")
-    record.add_argument("--port", type=int, default=8100)
+    record.add_argument("--host", default="127.0.0.1", help="address the proxy listens on")
+    record.add_argument("--port", type=int, default=8100, help="port the proxy listens on")
     record.add_argument("--out", type=Path, required=True, help="workload file; finished turns are appended")
     record.add_argument("--turn-idle", type=float, default=30.0,
                         help="a turn with no call for this many seconds is finished and written")
 
     bench = commands.add_parser("bench", help="replay a workload under load and write the report")
-    bench.add_argument("--workload", type=Path, required=True)
+    bench.add_argument("--workload", type=Path, required=True, help="workload file (JSON Lines) to replay")
     bench.add_argument("--endpoint", action="append", default=[], metavar="NAME=URL",
                        help="an OpenAI-compatible server to measure (repeatable)")
     bench.add_argument("--model", default=None, help="start specstand servers for this model")
@@ -108,40 +147,43 @@ def build_parser() -> argparse.ArgumentParser:
                        help="context of each specstand server (default: the workload's longest call needs)")
     bench.add_argument("--max-batch", type=int, default=8, help="requests each specstand server decodes together")
     bench.add_argument("--users", default="1,4", help="comma-separated concurrent user counts")
-    bench.add_argument("--repeats", type=int, default=3)
-    bench.add_argument("--limit-turns", type=int, default=None)
+    bench.add_argument("--repeats", type=int, default=3, help="runs of every target at every user count")
+    bench.add_argument("--limit-turns", type=int, default=None, help="replay only the workload's first N turns")
     bench.add_argument("--baseline", default=None, help="target the others are compared with (default: first)")
     bench.add_argument("--drafter", action="append", type=Path, default=[],
                        help="trained drafter folder for its method (repeatable; default: the shipped one)")
-    bench.add_argument("--out", type=Path, required=True)
+    bench.add_argument("--out", type=Path, required=True, help="folder of the report (report.md, report.json, plots)")
+    bench.add_argument("--api-key", default=os.environ.get(API_KEY_ENV) or None,
+                       help=f"sent as `Authorization: Bearer KEY` to every target (default: ${API_KEY_ENV})")
     _training_parsers(commands)
     return parser
 
 
 def _training_parsers(commands) -> None:
     data = commands.add_parser("train-data", help="the target answers a workload's calls: drafter training rows")
-    data.add_argument("--model", default="smollm2-135m")
+    data.add_argument("--model", default=None,
+                      help="the target (default: the one a resumed --out was started with, else smollm2-135m)")
     data.add_argument("--workload", type=Path, action="append", required=True, help="workload JSONL (repeatable)")
-    data.add_argument("--out", type=Path, required=True)
+    data.add_argument("--out", type=Path, required=True, help="folder of the rows (a partial run there resumes)")
     data.add_argument("--heldout", type=float, default=0.15, help="share of turns held out for evaluation")
     data.add_argument("--limit-calls", type=int, default=None, help="answer at most this many calls")
     data.add_argument("--temperature", type=float, default=0.0, help="0: greedy answers")
-    data.add_argument("--seed", type=int, default=0)
+    data.add_argument("--seed", type=int, default=0, help="sampling seed (with --temperature > 0)")
     data.add_argument("--samples", type=int, default=1, help="answers per call (needs --temperature > 0)")
     data.add_argument("--method", default="suffix", choices=["none", "ngram", "suffix"],
                       help="training-free drafter that speeds answering up (lossless: the answers do not change)")
     data.add_argument("--k", type=int, default=5, help="draft tokens verified per pass")
     data.add_argument("--endpoint", default=None, metavar="URL",
                       help="take the answers from this OpenAI-compatible server (vLLM, SGLang, specstand) instead")
-    data.add_argument("--max-batch", type=int, default=4)
+    data.add_argument("--max-batch", type=int, default=4, help="calls answered together")
     data.add_argument("--dtype", default="bf16", choices=DTYPE_CHOICES, help=DTYPE_HELP)
-    data.add_argument("--max-seq-len", type=int, default=2048)
+    data.add_argument("--max-seq-len", type=int, default=2048, help="context (cache capacity) per call")
 
     train = commands.add_parser("train", help="online distillation of a drafter from the frozen target")
     train.add_argument("--method", required=True,
                        help="eagle3, mtp, dflash, dspark or dflash2; several (a,b) share one pass of the target "
                             "over the data")
-    train.add_argument("--model", default="smollm2-135m")
+    train.add_argument("--model", default=None, help=RECORDED_MODEL_HELP)
     train.add_argument("--data", type=Path, action="append", required=True,
                        help="a `train-data` folder (repeatable: their rows are trained on together)")
     train.add_argument("--data-fraction", type=float, default=1.0,
@@ -149,20 +191,15 @@ def _training_parsers(commands) -> None:
     train.add_argument("--out", type=Path, required=True,
                        help="checkpoint folder, resumed when it holds one (several methods: OUT/<method>)")
     train.add_argument("--dtype", default="bf16", choices=DTYPE_CHOICES, help=DTYPE_HELP)
-    for name, kind, default in [("steps", int, 500), ("lr", float, 1e-3), ("pack-tokens", int, 2048),
-                                ("save-every", int, 50), ("seed", int, 0), ("layers", int, 0),
-                                ("intermediate-size", int, 0), ("draft-vocab", int, 8192), ("num-taps", int, 5),
-                                ("block-size", int, 8), ("anchors", int, 64), ("train-steps", int, 3),
-                                ("markov-rank", int, 256), ("conv-kernel-size", int, 2), ("selector-rank", int, 256),
-                                ("selector-top-k", int, 16), ("selector-alpha", float, 1.0)]:
-        train.add_argument(f"--{name}", type=kind, default=default)
+    for name, kind, default, text in TRAIN_OPTIONS:
+        train.add_argument(f"--{name}", type=kind, default=default, help=text)
     train.add_argument("--position-weighting", choices=["dpace", "exp"], default="",
                        help="block methods' loss weight per draft position (default: dspark exp(-k/4), others D-PACE)")
     train.add_argument("--no-confidence-head", action="store_true", help="dspark without its confidence head")
 
     evaluate = commands.add_parser("eval-drafter", help="acceptance, tau and predicted speedup on held-out calls")
-    evaluate.add_argument("--model", default="smollm2-135m")
-    evaluate.add_argument("--drafter", type=Path, required=True)
+    evaluate.add_argument("--model", default=None, help=RECORDED_MODEL_HELP)
+    evaluate.add_argument("--drafter", type=Path, required=True, help="the trained drafter's folder")
     evaluate.add_argument("--data", type=Path, action="append", required=True,
                           help="a `train-data` folder whose held-out rows are evaluated (repeatable)")
     evaluate.add_argument("--k", default=None, help="comma-separated draft lengths (default: 1,2,4 and the most)")
@@ -172,26 +209,42 @@ def _training_parsers(commands) -> None:
     evaluate.add_argument("--write-card", action="store_true", help="write the drafter's README.md model card")
 
     export = commands.add_parser("export", help="write a trained drafter in another format")
-    export.add_argument("--format", choices=["speculators"], default="speculators")
+    export.add_argument("--format", choices=["speculators"], default="speculators", help="the format to write")
     export.add_argument("--model", default=None, help="the target (for its head rows); default: the drafter's")
-    export.add_argument("drafter", type=Path)
-    export.add_argument("out", type=Path)
+    export.add_argument("drafter", type=Path, help="the trained drafter's folder")
+    export.add_argument("out", type=Path, help="folder to write")
 
     imp = commands.add_parser("import", help="read a drafter written in another format")
-    imp.add_argument("--format", choices=["speculators", "dflash-zlab"], default="speculators")
+    imp.add_argument("--format", choices=["speculators", "dflash-zlab"], default="speculators",
+                     help="the format to read")
     imp.add_argument("--model", default=None, help="the target it drafts for; default: the verifier it names")
-    imp.add_argument("source", type=Path)
-    imp.add_argument("out", type=Path)
+    imp.add_argument("source", type=Path, help="the drafter's folder in that format")
+    imp.add_argument("out", type=Path, help="folder of the specstand drafter to write")
 
 
-def _model_args(parser: argparse.ArgumentParser) -> None:
+def _dtype(text: str) -> str:
+    from specstand.models.loading import ModelError, resolve_dtype
+
+    try:
+        return resolve_dtype(text)
+    except ModelError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
+
+
+def _model_args(parser: argparse.ArgumentParser, vllm_spellings: bool = False) -> None:
+    """The target's flags; with `vllm_spellings` (serve) vLLM's names and dtype spellings are taken too."""
     parser.add_argument("--model", default="smollm2-135m", help="preset name, model folder or hub id")
     parser.add_argument("--method", default="none", help=f"one of {', '.join(METHODS)}")
     parser.add_argument("--k", type=int, default=None,
                         help="most draft tokens verified per pass (default 5; DFlash: block size - 1)")
     parser.add_argument("--drafter", type=Path, default=None, help="trained drafter folder (default: shipped one)")
-    parser.add_argument("--dtype", default="bf16", choices=DTYPE_CHOICES, help=DTYPE_HELP)
-    parser.add_argument("--max-seq-len", type=int, default=2048, help="context (cache capacity) per request")
+    if vllm_spellings:
+        parser.add_argument("--dtype", default="bf16", type=_dtype,
+                            help=DTYPE_HELP + "; or vLLM's bfloat16, float32, auto (bf16)")
+    else:
+        parser.add_argument("--dtype", default="bf16", choices=DTYPE_CHOICES, help=DTYPE_HELP)
+    parser.add_argument("--max-seq-len", *(["--max-model-len"] if vllm_spellings else []), dest="max_seq_len",
+                        type=int, default=2048, help="context (cache capacity) per request")
     parser.add_argument("--speculative-config", default=None,
                         help="vLLM's JSON instead of --method/--k/--drafter: method (ngram, suffix, eagle3, dflash, "
                              "mtp), model, num_speculative_tokens, prompt_lookup_min, prompt_lookup_max")
@@ -349,27 +402,56 @@ def _check_model_args(args: argparse.Namespace) -> None:
         raise CliError(f"--drafter {args.drafter} is not a folder")
 
 
+def _serve_target(args: argparse.Namespace) -> None:
+    """`serve MODEL` (vLLM's spelling) or `serve --model MODEL`, not two different ones."""
+    from specstand.models.presets import DEFAULT_MODEL
+
+    if args.model_name and args.model and args.model_name != args.model:
+        raise CliError(f"two models given: {args.model_name} and --model {args.model}")
+    args.model = args.model_name or args.model or DEFAULT_MODEL
+
+
+def _tool_call_parser(args: argparse.Namespace) -> str | None:
+    """The parser answers are read with, or None when auto tool choice is off."""
+    from specstand.models.presets import default_tool_call_parser
+
+    if not args.enable_auto_tool_choice:
+        if args.tool_call_parser:
+            _log("--tool-call-parser takes effect with --enable-auto-tool-choice: answers stay content")
+        return None
+    return args.tool_call_parser or default_tool_call_parser(args.model)
+
+
 def cmd_serve(args: argparse.Namespace) -> None:
     import uvicorn
 
     from specstand.models import load_model
     from specstand.server import ServerConfig, ServerLimits, build_server
 
+    _serve_target(args)
     _check_model_args(args)
     if args.max_batch < 1 or args.max_queue < 1:
         raise CliError("--max-batch and --max-queue must be >= 1")
-    model = load_model(args.model, args.dtype, args.max_seq_len, log=_log)
     if args.request_timeout <= 0 or args.max_prompt_chars <= 0 or args.max_body_bytes <= 0:
         raise CliError("--request-timeout, --max-prompt-chars and --max-body-bytes must be > 0")
+    if not 0 <= args.port < 2**16:
+        raise CliError(f"--port must be in [0, 65535], not {args.port}")
+    parser = _tool_call_parser(args)
+    # the server's failures go to stderr with their tracebacks (uvicorn keeps its own handlers)
+    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    model = load_model(args.model, args.dtype, args.max_seq_len, log=_log)
     limits = ServerLimits(args.max_body_bytes, args.max_prompt_chars, args.request_timeout)
     config = ServerConfig(args.method, args.k, args.max_batch, args.max_queue, args.served_model_name,
-                          args.model, args.drafter, args.ngram, limits, args.adaptive)
+                          args.model, args.drafter, args.ngram, limits, args.adaptive,
+                          tool_call_parser=parser, api_key=args.api_key)
     app, worker = build_server(model, config)
     adaptive = ", adaptive verification" if args.adaptive else ", fixed K"
     if not worker.engine.exact:
         _log(f"{args.model}: not exact here (pass shapes round differently): drafts may change greedy answers")
+    tools = f", tool calls read as {parser}" if parser else ""
+    key = ", API key required" if args.api_key else ""
     _log(f"serving {args.model} with method {args.method} (K={worker.engine.config.num_speculative_tokens}"
-         f"{adaptive}) on http://{args.host}:{args.port}")
+         f"{adaptive}{tools}{key}) on http://{args.host}:{args.port}")
     try:
         # keep-alive well past the 5 s an httpx client (the openai SDK's) keeps an idle connection: a server
         # that closes first can close one just as the client sends a call on it
@@ -496,7 +578,7 @@ def cmd_bench(args: argparse.Namespace) -> None:
             raise CliError(f"--baseline {baseline!r} is not one of the targets")
         config = BenchConfig(str(args.workload), users, args.repeats, args.out, baseline,
                              {"model": args.model, "dtype": args.dtype, "max_batch": args.max_batch,
-                              "max_seq_len": args.max_seq_len})
+                              "max_seq_len": args.max_seq_len}, api_key=args.api_key)
         try:
             table = asyncio.run(run_bench(targets, turns, config))
         except KeyboardInterrupt:
@@ -505,6 +587,31 @@ def cmd_bench(args: argparse.Namespace) -> None:
         _log(f"report: {args.out / 'report.md'}, raw: {args.out / 'report.json'}")
     finally:
         stop_servers(targets)
+
+
+def _recorded_target(explicit: str | None, recorded: list[tuple[str, str]]) -> str:
+    """The target of a training command: the model its data and drafter were made with (`recorded`: (model,
+    where it is written)); an explicit --model must name that one. Without any record: --model, or the
+    default model."""
+    from specstand.models.loading import same_model
+    from specstand.models.presets import DEFAULT_MODEL
+
+    if not recorded:
+        return explicit or DEFAULT_MODEL
+    model, where = recorded[0]
+    for other, other_where in recorded[1:]:
+        if not same_model(other, model):
+            raise CliError(f"{where} was made with {model} but {other_where} with {other}")
+    if explicit is not None and not same_model(explicit, model):
+        raise CliError(f"--model {explicit} is not {model}, the model {where} was made with")
+    return explicit or model
+
+
+def _data_models(folders: list[Path]) -> list[tuple[str, str]]:
+    from specstand.training.data import recorded_model
+
+    found = [recorded_model(folder) for folder in folders]
+    return [(model, str(path)) for model, path in filter(None, found)]
 
 
 def cmd_train_data(args: argparse.Namespace) -> None:
@@ -529,6 +636,7 @@ def cmd_train_data(args: argparse.Namespace) -> None:
         raise CliError("--samples must be >= 1, and above 1 only with --temperature > 0")
     if args.k < 1:
         raise CliError("--k must be >= 1")
+    args.model = _recorded_target(args.model, _data_models([args.out]))  # a resumed run keeps its target
     turns = [turn for path in args.workload for turn in load_workload(path)]
     if args.limit_calls is not None:
         kept, count = [], 0
@@ -584,6 +692,7 @@ def cmd_train(args: argparse.Namespace) -> None:
         raise CliError("--method names no method (e.g. --method dflash or --method dflash,eagle3)")
     if len(set(methods)) != len(methods):
         raise CliError(f"--method names a method twice: {args.method}")
+    args.model = _recorded_target(args.model, _data_models(args.data))
     configs = [TrainConfig(
         method=method, data=[str(d) for d in args.data], data_fraction=args.data_fraction,
         out=str(args.out / method if len(methods) > 1 else args.out),
@@ -614,6 +723,7 @@ def cmd_eval_drafter(args: argparse.Namespace) -> None:
     from specstand.training.evaluate import as_dicts, evaluate_drafter, write_card
 
     spec = read_spec(args.drafter)
+    args.model = _recorded_target(args.model, [(spec.target, str(args.drafter)), *_data_models(args.data)])
     most = spec.block_drafts or 5
     try:
         ks = sorted({int(k) for k in args.k.split(",")}) if args.k else sorted({1, 2, 4, most})
@@ -688,16 +798,22 @@ def main(argv: list[str] | None = None) -> int:
         args = build_parser().parse_args(argv)
         COMMANDS[args.command](args)
     except CliError as error:
-        print(f"specstand: error: {error}", file=sys.stderr)
+        _print_failure(str(error))
         return 2
     except (ValueError, RuntimeError, OSError) as error:
-        message = str(error).splitlines()[0] if str(error) else type(error).__name__
-        print(f"specstand: error: {message}", file=sys.stderr)
+        _print_failure(str(error).splitlines()[0] if str(error) else type(error).__name__)
         return 1
     except KeyboardInterrupt:
         print("specstand: interrupted", file=sys.stderr)
         return 130
     return 0
+
+
+def _print_failure(message: str) -> None:
+    """One line; the whole traceback first where SPECSTAND_DEBUG=1."""
+    if os.environ.get(DEBUG_ENV) == "1":
+        traceback.print_exc()
+    print(f"specstand: error: {message}", file=sys.stderr)
 
 
 if __name__ == "__main__":

@@ -136,10 +136,10 @@ def tiny_target(tiny_model_dir: Path):
 
 
 @pytest.fixture(scope="session")
-def tiny_data(tiny_target, tmp_path_factory: pytest.TempPathFactory) -> Path:
+def tiny_data(tiny_target, tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     folder = tmp_path_factory.mktemp("train-data")
     rows = generate_rows(tiny_target, tiny_turns(), 0.2, SamplingParams(), 4, 512)
-    save_rows(folder, rows, {"model": "tiny"})
+    save_rows(folder, rows, {"model": str(tiny_model_dir)})
     return folder
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 import subprocess
 import sys
@@ -145,3 +146,96 @@ def test_vllm_speculative_config_stands_for_method_k_and_ngram_sizes(capsys, tin
     code, _, err = _run(capsys, "generate", "--model", str(tiny_model_dir), "--speculative-config", config,
                         "--method", "suffix", "--prompt", "w3")
     assert code == 2 and "not both" in err
+
+
+class _Stop(Exception):
+    """Raised by a stand-in for build_server: the test has what it wanted, nothing is served."""
+
+
+def _serve_config(monkeypatch, *argv: str):
+    """What `specstand serve ARGV` would load and serve, without loading or serving."""
+    import specstand.models
+    import specstand.server
+
+    seen = {}
+    monkeypatch.setattr(specstand.models, "load_model",
+                        lambda model, dtype, max_seq_len, log: seen.setdefault("load", (model, dtype, max_seq_len)))
+    def build(model, config):
+        seen["config"] = config
+        raise _Stop
+
+    monkeypatch.setattr(specstand.server, "build_server", build)
+    with pytest.raises(_Stop):
+        main(["serve", *argv])
+    return seen["load"], seen["config"]
+
+
+def test_serve_takes_vllm_spellings(monkeypatch):
+    monkeypatch.delenv("SPECSTAND_API_KEY", raising=False)
+    ours = _serve_config(monkeypatch, "--model", "m1", "--max-seq-len", "1024", "--max-batch", "3", "--dtype", "fp32",
+                         "--served-model-name", "x", "--enable-auto-tool-choice", "--host", "0.0.0.0", "--port", "9")
+    vllms = _serve_config(monkeypatch, "m1", "--max-model-len", "1024", "--max-num-seqs", "3", "--dtype", "float32",
+                          "--served-model-name", "x", "--enable-auto-tool-choice", "--tool-call-parser", "json")
+    assert ours == vllms
+    (model, dtype, max_seq_len), config = ours
+    assert (model, dtype, max_seq_len, config.max_batch, config.served_name) == ("m1", "fp32", 1024, 3, "x")
+    assert config.tool_call_parser == "json" and config.api_key is None  # the preset default when none is named
+    load, config = _serve_config(monkeypatch, "m1", "--dtype", "auto", "--tool-call-parser", "hermes")
+    assert load[1] == "bf16" and config.tool_call_parser is None  # no auto tool choice: answers stay content
+    assert _serve_config(monkeypatch, "m1", "--dtype", "bfloat16", "--enable-auto-tool-choice",
+                         "--tool-call-parser", "hermes")[1].tool_call_parser == "hermes"
+    monkeypatch.setenv("SPECSTAND_API_KEY", "from-env")
+    assert _serve_config(monkeypatch, "m1")[1].api_key == "from-env"
+    assert _serve_config(monkeypatch, "m1", "--api-key", "flag")[1].api_key == "flag"
+
+
+def test_tool_call_parser_names_match_the_server():
+    from specstand.cli import TOOL_CALL_PARSERS
+    from specstand.server.tool_calls import PARSERS
+
+    assert tuple(TOOL_CALL_PARSERS) == PARSERS
+
+
+@pytest.mark.parametrize("argv, words", [
+    (["/no/such/model", "--request-timeout", "0"], "--request-timeout"),  # checked before the model loads
+    (["/no/such/model", "--max-num-seqs", "0"], "--max-batch"),
+    (["a", "--model", "b"], "two models given"),
+    (["m", "--dtype", "float16"], "unknown dtype 'float16'"),
+    (["m", "--tool-call-parser", "pythonic"], "invalid choice"),
+    (["m", "--port", "70000"], "--port"),
+])
+def test_serve_refuses_bad_flags_before_loading(capsys, argv, words):
+    code, out, err = _run(capsys, "serve", *argv)
+    assert code == 2 and out == ""
+    assert len(err.strip().splitlines()) == 1 and words in err
+
+
+def test_debug_prints_the_traceback(capsys, monkeypatch):
+    argv = ("generate", "--model", "/no/such/model", "--prompt", "w1")
+    code, _, err = _run(capsys, *argv)
+    assert code == 1 and len(err.strip().splitlines()) == 1 and "Traceback" not in err
+    monkeypatch.setenv("SPECSTAND_DEBUG", "1")
+    code, _, err = _run(capsys, *argv)
+    lines = err.strip().splitlines()
+    assert code == 1 and lines[0].startswith("Traceback")
+    assert lines[-1].startswith("specstand: error: cannot load model")
+
+
+def _options(parser: argparse.ArgumentParser):
+    """Every argument of every command, as (command, argument)."""
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for sub in action.choices.values():
+                yield from _options(sub)
+        elif not isinstance(action, argparse._HelpAction):
+            yield parser.prog, action
+
+
+def test_every_flag_of_every_command_has_help():
+    from specstand.cli import build_parser
+
+    found = list(_options(build_parser()))
+    assert len(found) > 100  # the walk reached the commands' own flags
+    missing = [f"{command} {'/'.join(action.option_strings) or action.dest}" for command, action in found
+               if not (action.help or "").strip()]
+    assert missing == []

@@ -15,11 +15,13 @@ KEEPALIVE_EXPIRY_S = 2.0
 
 
 class OpenAIEndpoint:
-    def __init__(self, base_url: str, model: str | None = None, timeout_s: float = 600) -> None:
+    def __init__(self, base_url: str, model: str | None = None, timeout_s: float = 600,
+                 api_key: str | None = None) -> None:
         self.base_url = base_url.rstrip("/")
         self.model = model
         limits = httpx.Limits(max_connections=512, keepalive_expiry=KEEPALIVE_EXPIRY_S)
-        self.client = httpx.AsyncClient(timeout=timeout_s, limits=limits)
+        headers = {"Authorization": f"Bearer {api_key}"} if api_key else None
+        self.client = httpx.AsyncClient(timeout=timeout_s, limits=limits, headers=headers)
 
     async def resolve_model(self) -> str:
         if self.model is None:
@@ -43,7 +45,9 @@ class OpenAIEndpoint:
         choice = data["choices"][0]
         text = choice["message"]["content"] if "message" in choice else choice["text"]
         tokens = int(data.get("usage", {}).get("completion_tokens", 0))
-        return Answer(text or "", tokens, choice.get("finish_reason") or "")
+        calls = [c.get("function") or {} for c in (choice.get("message") or {}).get("tool_calls") or []]
+        tool_calls = [{"name": c.get("name"), "arguments": c.get("arguments")} for c in calls] or None
+        return Answer(text or "", tokens, choice.get("finish_reason") or "", tool_calls)
 
     async def scrape_metrics(self) -> dict[str, float]:
         """Counter totals by sample name (labels folded: per-position counters keep their position)."""

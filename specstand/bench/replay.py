@@ -27,6 +27,7 @@ class Answer:
     text: str
     completion_tokens: int
     finish_reason: str = ""  # "stop", or "length" when max_tokens cut the answer
+    tool_calls: list[dict] | None = None  # the calls the server read out of the answer: [{"name", "arguments"}]
 
 
 class Endpoint(Protocol):
@@ -44,6 +45,7 @@ class CallRecord:
     completion_tokens: int = 0
     finish_reason: str = ""
     error: str = ""
+    tool_calls: list[dict] | None = None  # as Answer.tool_calls
 
     @property
     def latency(self) -> float:
@@ -138,7 +140,7 @@ async def _replay_turn(turn: Turn, endpoint: Endpoint, user: int, clock: Callabl
         try:
             answer = await endpoint.complete(call)
             entry.text, entry.completion_tokens = answer.text, answer.completion_tokens
-            entry.finish_reason = answer.finish_reason
+            entry.finish_reason, entry.tool_calls = answer.finish_reason, answer.tool_calls
         except Exception as error:  # a failed call is recorded, and its dependants still run
             entry.error = f"{type(error).__name__}: {error}"[:300]
         entry.end = clock()

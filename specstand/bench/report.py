@@ -4,10 +4,15 @@ Table shape follows seed 000: methods as columns; rows K, turn p50 per U (median
 [min-max] spread), speedup vs the baseline, turns/s at the top U, tau over all passes, vLLM's per-draft
 tau, broken JSON, identical answers. A method whose spread overlaps the baseline's is marked "≈": the
 difference is inside the noise.
+
+An answer with tool calls is judged by its calls: broken if one's arguments are not a JSON object or it
+names a tool the call did not offer; identical if its text and calls (names, arguments as JSON values; ids
+are random) are the baseline's.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import re
 import statistics
@@ -18,6 +23,7 @@ import jsonschema
 
 from specstand.bench.replay import CallRecord, TurnRecord
 from specstand.files import write_atomic, write_text_atomic
+from specstand.server.tool_calls import offered_tool_names
 from specstand.workloads import Call, Turn
 
 _FENCE = re.compile(r"^\s*```[a-zA-Z]*\s*\n?(.*?)\n?```\s*$", re.DOTALL)
@@ -58,6 +64,34 @@ def json_is_broken(text: str, schema: dict | None) -> bool:
     return False
 
 
+def tool_call_is_broken(tool_call: dict, offered: frozenset[str]) -> bool:
+    if tool_call.get("name") not in offered or not isinstance(tool_call.get("arguments"), str):
+        return True
+    try:
+        return not isinstance(json.loads(tool_call["arguments"]), dict)
+    except json.JSONDecodeError:
+        return True
+
+
+def answer_is_broken(record: CallRecord, call: Call) -> bool:
+    """An answer's tool calls if it has any, else its text as expected JSON."""
+    if record.tool_calls:
+        offered = offered_tool_names(call.tools)
+        return any(tool_call_is_broken(tool_call, offered) for tool_call in record.tool_calls)
+    return json_is_broken(record.text, call.json_schema)
+
+
+def answer_key(record: CallRecord) -> tuple:
+    """What two answers must share to be identical: the text and the calls (arguments compared as JSON)."""
+    calls = []
+    for tool_call in record.tool_calls or []:
+        arguments = tool_call.get("arguments")
+        with contextlib.suppress(TypeError, json.JSONDecodeError):  # unparsable arguments: compared as written
+            arguments = json.dumps(json.loads(arguments), sort_keys=True)
+        calls.append((tool_call.get("name"), arguments))
+    return record.text, tuple(calls)
+
+
 def percentile(values: list[float], q: float) -> float | None:
     if not values:
         return None
@@ -68,17 +102,19 @@ def percentile(values: list[float], q: float) -> float | None:
     return ordered[low] + (ordered[high] - ordered[low]) * (position - low)
 
 
-def run_summary(run: RunResult, calls: dict[tuple[str, str], Call], baseline_texts: dict[tuple[str, str], str]) -> dict:
+def run_summary(run: RunResult, calls: dict[tuple[str, str], Call], baseline_answers: dict[tuple[str, str], tuple]
+                ) -> dict:
+    """`baseline_answers`: the baseline's answer_key per (turn, call)."""
     turn_times = [t.duration for t in run.turns if not t.failed]
     records = [c for t in run.turns for c in t.calls]
     ok = [c for c in records if not c.error]
-    expected_json = [c for c in ok if calls[(c.turn_id, c.call_id)].expect_json]
+    expected_json = [c for c in ok if calls[(c.turn_id, c.call_id)].expect_json or c.tool_calls]
     # an answer cut by max_tokens says nothing about the engine: count it apart from broken JSON
     truncated = [c for c in expected_json if c.finish_reason == "length"]
     finished = [c for c in expected_json if c.finish_reason != "length"]
-    broken = sum(json_is_broken(c.text, calls[(c.turn_id, c.call_id)].json_schema) for c in finished)
-    compared = [c for c in ok if (c.turn_id, c.call_id) in baseline_texts]
-    identical = sum(c.text == baseline_texts[(c.turn_id, c.call_id)] for c in compared)
+    broken = sum(answer_is_broken(c, calls[(c.turn_id, c.call_id)]) for c in finished)
+    compared = [c for c in ok if (c.turn_id, c.call_id) in baseline_answers]
+    identical = sum(answer_key(c) == baseline_answers[(c.turn_id, c.call_id)] for c in compared)
     m = run.metrics_delta
     passes = m.get("specstand:target_passes_total", 0.0)
     drafts = m.get("vllm:spec_decode_num_drafts_total", 0.0)
@@ -126,12 +162,13 @@ def summarize(runs: list[RunResult], turns: list[Turn], baseline: str) -> dict:
     """Per target and U: the list of per-repeat summaries."""
     calls = {(t.turn_id, c.id): c for t in turns for c in t.calls}
     base_runs = sorted((r for r in runs if r.target == baseline), key=lambda r: (r.repeat, r.users))
-    baseline_texts = {}
+    baseline_answers = {}
     if base_runs:
-        baseline_texts = {(c.turn_id, c.call_id): c.text for t in base_runs[0].turns for c in t.calls if not c.error}
+        baseline_answers = {(c.turn_id, c.call_id): answer_key(c) for t in base_runs[0].turns for c in t.calls
+                            if not c.error}
     out: dict[str, dict[int, list[dict]]] = {}
     for run in runs:
-        out.setdefault(run.target, {}).setdefault(run.users, []).append(run_summary(run, calls, baseline_texts))
+        out.setdefault(run.target, {}).setdefault(run.users, []).append(run_summary(run, calls, baseline_answers))
     return out
 
 

@@ -20,6 +20,7 @@ from specstand.bench.endpoints import OpenAIEndpoint
 from specstand.bench.replay import assign_turns, replay
 from specstand.bench.report import RunResult, write_report
 from specstand.drafters.trained import BLOCK_METHODS, read_spec, shipped_drafter
+from specstand.models.chat import render_chat
 from specstand.models.loading import resolve_model_path
 from specstand.workloads import Turn
 
@@ -52,6 +53,7 @@ class BenchConfig:
     out_dir: Path
     baseline: str
     extra: dict = field(default_factory=dict)
+    api_key: str | None = None  # sent to every target (never written to the report)
 
 
 def _free_port() -> int:
@@ -97,8 +99,7 @@ def workload_context(turns: list[Turn], model: str, k: int) -> int:
     longest = 0
     for call in (c for turn in turns for c in turn.calls):
         if call.messages is not None:
-            prompt = tokenizer.apply_chat_template(call.messages, tools=call.tools, add_generation_prompt=True,
-                                                   tokenize=False)
+            prompt = render_chat(tokenizer, call.messages, call.tools)
             tokens = len(tokenizer(prompt, add_special_tokens=False)["input_ids"])
         else:
             tokens = len(tokenizer(call.prompt or "", add_special_tokens=True)["input_ids"])
@@ -140,7 +141,7 @@ def stop_servers(targets: list[Target]) -> None:
 
 
 async def run_bench(targets: list[Target], turns: list[Turn], config: BenchConfig) -> str:
-    endpoints = {t.name: OpenAIEndpoint(t.url) for t in targets}
+    endpoints = {t.name: OpenAIEndpoint(t.url, api_key=config.api_key) for t in targets}
     names = [t.name for t in targets]
     k_by_target = {t.name: t.k if t.k is not None else "–" for t in targets}
     runs: list[RunResult] = []

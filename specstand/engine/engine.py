@@ -9,6 +9,7 @@ is the first row of its next pass.
 from __future__ import annotations
 
 import contextlib
+import logging
 import random
 import time
 from collections import deque
@@ -25,6 +26,8 @@ from specstand.runner.exactness import row_unit
 from specstand.runner.runner import PREFILL_BLOCK, PROMPT_CHUNK
 from specstand.runner.transformer import DecoderModel
 from specstand.verification import Verdict, target_probs, verify_greedy, verify_sampled
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -331,6 +334,7 @@ class Engine:
         if self.drafter is not None:
             with contextlib.suppress(Exception):  # the request has failed already; whatever it held goes
                 self.drafter.end(state.seq)
+        logger.error("engine request %d failed", request_id, exc_info=error)
         result = GenerationResult(request_id, list(state.request.prompt_ids), state.seq.output_ids, "error",
                                   state.stats, f"{type(error).__name__}: {error}")
         return StepEvent(request_id, [], result)

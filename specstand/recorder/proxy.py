@@ -11,7 +11,8 @@ upstream, and the upstream's status and error body come back as they were, strea
 the upstream cannot be reached, 504 when it times out). A turn is written once it is finished (no call of
 it in flight for `turn_idle_s`, or the recorder stops): appended as one line by a writer thread, with
 fsync, after the workload parser has accepted it; so the event loop never waits on the disk, the cost
-does not grow with the file, and a crash loses at most the turns still open.
+does not grow with the file, and a crash loses at most the turns still open. A call's `recorded` holds
+the answer's text and, where the upstream returned any, its tool calls ([{"name", "arguments"}]).
 """
 
 from __future__ import annotations
@@ -110,7 +111,8 @@ class Recording:
         turn.in_flight -= 1
         turn.last_activity = time.monotonic()
 
-    def add(self, turn: _TurnLog, body: dict, headers, start: float, end: float, answer: str) -> None:
+    def add(self, turn: _TurnLog, body: dict, headers, start: float, end: float, answer: str,
+            tool_calls: list[dict] | None = None) -> None:
         key = hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()
         if key in turn.seen:
             return  # a retry of an identical request
@@ -140,7 +142,8 @@ class Recording:
             json_schema=schema,
             tools=body.get("tools"),
             tool_choice=body.get("tool_choice"),
-            recorded={"answer": answer, "latency_ms": round((end - start) * 1000, 1)},
+            recorded={"answer": answer, "latency_ms": round((end - start) * 1000, 1),
+                      **({"tool_calls": tool_calls} if tool_calls else {})},
         )
         turn.calls.append(_Recorded(call, start, end))
 
@@ -236,7 +239,8 @@ def create_recorder(upstream: str, out: Path, turn_idle_s: float = 30.0, timeout
             if reply.status_code == 200:
                 choice = reply.json()["choices"][0]
                 answer = choice["message"].get("content") if chat else choice["text"]
-                recording.add(turn, body, request.headers, start, time.time(), answer or "")
+                calls = [_call_of(c) for c in (choice["message"].get("tool_calls") or [])] if chat else []
+                recording.add(turn, body, request.headers, start, time.time(), answer or "", calls)
         except (ValueError, KeyError, IndexError, TypeError, AttributeError):
             pass  # relayed as it came; an answer we cannot read is not recorded
         finally:
@@ -252,19 +256,20 @@ def create_recorder(upstream: str, out: Path, turn_idle_s: float = 30.0, timeout
             return Response(content, reply.status_code, media_type=reply.headers.get("content-type"))
 
         async def relay():
-            parts: list[str] = []
+            answer = _StreamedAnswer(chat)
             complete = False
             try:
                 async for line in reply.aiter_lines():
                     if line == "data: [DONE]":
                         complete = True
                     elif line.startswith("data: "):
-                        parts.append(_delta_text(line[6:], chat))
+                        answer.add(line[6:])
                     yield line + "\n"
             finally:
                 await reply.aclose()
                 if complete:
-                    recording.add(turn, body, incoming, start, time.time(), "".join(parts))
+                    recording.add(turn, body, incoming, start, time.time(), "".join(answer.parts),
+                                  answer.tool_calls())
                 recording.done(turn)
 
         return StreamingResponse(relay(), media_type=reply.headers.get("content-type", "text/event-stream"))
@@ -290,9 +295,35 @@ def _turn_ids(path: Path) -> dict[str, int]:
     return ids
 
 
-def _delta_text(data: str, chat: bool) -> str:
-    try:
-        choice = (json.loads(data).get("choices") or [{}])[0]
-    except (ValueError, AttributeError):
-        return ""
-    return ((choice.get("delta") or {}).get("content") or "") if chat else (choice.get("text") or "")
+def _call_of(tool_call: dict) -> dict:
+    function = tool_call.get("function") or {}
+    return {"name": function.get("name"), "arguments": function.get("arguments")}
+
+
+class _StreamedAnswer:
+    """An answer put together from its stream's chunks: the text, and the tool calls by index (a call's
+    name comes in its first delta, its arguments in pieces)."""
+
+    def __init__(self, chat: bool) -> None:
+        self.chat = chat
+        self.parts: list[str] = []
+        self._calls: dict[int, dict] = {}
+
+    def add(self, data: str) -> None:
+        try:
+            choice = (json.loads(data).get("choices") or [{}])[0]
+            delta = choice.get("delta") or {}
+        except (ValueError, AttributeError):
+            return  # relayed as it came; a chunk we cannot read is not recorded
+        if not self.chat:
+            self.parts.append(choice.get("text") or "")
+            return
+        self.parts.append(delta.get("content") or "")
+        for part in delta.get("tool_calls") or []:
+            call = self._calls.setdefault(part.get("index", 0), {"name": None, "arguments": ""})
+            function = part.get("function") or {}
+            call["name"] = function.get("name") or call["name"]
+            call["arguments"] += function.get("arguments") or ""
+
+    def tool_calls(self) -> list[dict]:
+        return [self._calls[index] for index in sorted(self._calls)]

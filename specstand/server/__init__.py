@@ -27,6 +27,8 @@ class ServerConfig:
     ngram: NgramConfig | None = None  # n-gram sizes (vLLM's prompt_lookup_min/max)
     limits: ServerLimits = ServerLimits()
     adaptive: bool = True  # adaptive verification (engine/adaptive.py); False: fixed K
+    tool_call_parser: str | None = None  # tool_calls.PARSERS; None: answers are never read for calls
+    api_key: str | None = None  # required on /v1/* when set
 
 
 def build_server(model: LoadedModel, config: ServerConfig):
@@ -44,4 +46,4 @@ def build_server(model: LoadedModel, config: ServerConfig):
         metrics.set_pass_seconds(rows, cost(rows))
     worker = EngineWorker(engine, metrics, config.max_queue)
     worker.start()
-    return create_app(model, worker, name, config.limits), worker
+    return create_app(model, worker, name, config.limits, config.tool_call_parser, config.api_key), worker

@@ -4,12 +4,19 @@ What a request can break stays with that request: sizes are bounded at the door 
 characters), every sampling field is range-checked, a field the engine cannot honour is refused with a
 400 naming it (never silently ignored), tokenisation runs off the event loop, and each request has a
 server-side deadline.
+
+With a tool-call parser (`--enable-auto-tool-choice`), a chat request that offers `tools` gets the calls
+in the answer as `message.tool_calls` (streamed as OpenAI streams them); see tool_calls.py. With an API
+key, /v1/* needs `Authorization: Bearer <key>`; /health and /metrics stay open. A request that fails logs
+its traceback once, with the id its client got.
 """
 
 from __future__ import annotations
 
 import asyncio
+import hmac
 import json
+import logging
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -26,8 +33,11 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from specstand.engine import DecodeStats, GenerationResult, Request, StepEvent
 from specstand.models import LoadedModel, ModelError
+from specstand.server.tool_calls import ToolCall, ToolCallStream, offered_tool_names, parse_answer
 from specstand.server.worker import EngineWorker, Overloaded
 from specstand.verification import SamplingParams
+
+logger = logging.getLogger(__name__)
 
 DISCONNECT_POLL_S = 0.5
 GREEDY_BELOW = 1e-5  # temperatures under this sample greedily (as vLLM does): their distribution is a point
@@ -155,6 +165,60 @@ class _BodyTooLarge(Exception):
     pass
 
 
+class FailureTrap:
+    """ASGI middleware: an unexpected exception becomes a 500 in OpenAI's error shape (if the response has
+    not started) and its traceback is logged once, with the request id the client got. Starlette's own
+    handler for Exception would re-raise it for the server to log a second time."""
+
+    def __init__(self, app) -> None:
+        self.app = app
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        started = False
+
+        async def watched(message) -> None:
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await self.app(scope, receive, watched)
+        except Exception as error:  # noqa: BLE001 - the request fails, the server goes on
+            request_id = scope.get("state", {}).get("request_id", "-")
+            logger.error("request %s failed: %s %s", request_id, scope.get("method"), scope["path"], exc_info=error)
+            if not started:
+                message = f"internal error (request {request_id}): {type(error).__name__}: {error}"
+                await error_response(500, message, "internal_error")(scope, receive, send)
+
+
+class ApiKeyCheck:
+    """ASGI middleware: /v1/* without `Authorization: Bearer <key>` gets a 401 in OpenAI's error shape."""
+
+    def __init__(self, app, key: str) -> None:
+        self.app, self.key = app, key.encode()
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http" or not scope["path"].startswith("/v1/"):
+            return await self.app(scope, receive, send)
+        given = dict(scope.get("headers") or []).get(b"authorization", b"")
+        scheme, _, token = given.partition(b" ")
+        if scheme.lower() == b"bearer" and hmac.compare_digest(token.strip(), self.key):
+            return await self.app(scope, receive, send)
+        message = "invalid API key" if given else "missing API key: send the header Authorization: Bearer <key>"
+        response = error_response(401, message, "authentication_error")
+        await response(scope, receive, send)
+
+
+@dataclass(frozen=True)
+class ToolParsing:
+    """How this request's answer is read for tool calls: the parser and the names the request offers."""
+
+    parser: str
+    tool_names: frozenset[str]
+
+
 def _message_dict(message: ChatMessage) -> dict:
     """A message as chat templates read it: content parts joined into text (text parts only)."""
     out = message.model_dump(exclude_none=True)
@@ -183,11 +247,16 @@ def _prompt_chars(body: _Sampling) -> int:
     return total + (len(json.dumps(body.tools)) if body.tools else 0)
 
 
-def create_app(model: LoadedModel, worker: EngineWorker, served_name: str,
-               limits: ServerLimits | None = None) -> FastAPI:
+def create_app(model: LoadedModel, worker: EngineWorker, served_name: str, limits: ServerLimits | None = None,
+               tool_call_parser: str | None = None, api_key: str | None = None) -> FastAPI:
+    """`tool_call_parser`: read tool calls out of answers to requests offering tools (None: never);
+    `api_key`: the key /v1/* requires (None: open)."""
     limits = limits or ServerLimits()
     app = FastAPI(title="specstand", docs_url=None, redoc_url=None)
     app.add_middleware(BodyLimit, limit=limits.max_body_bytes)
+    if api_key:
+        app.add_middleware(ApiKeyCheck, key=api_key)
+    app.add_middleware(FailureTrap)  # outermost: it sees whatever the others let through
     tokenizer_thread = ThreadPoolExecutor(1, thread_name_prefix="specstand-tokenizer")  # one at a time
 
     @app.exception_handler(RequestValidationError)
@@ -204,10 +273,6 @@ def create_app(model: LoadedModel, worker: EngineWorker, served_name: str,
     @app.exception_handler(_Refused)
     async def refused(_: HttpRequest, error: _Refused) -> JSONResponse:
         return error_response(error.status, error.message, error.kind, error.param)
-
-    @app.exception_handler(Exception)
-    async def internal(_: HttpRequest, error: Exception) -> JSONResponse:
-        return error_response(500, f"internal error: {type(error).__name__}: {error}", "internal_error")
 
     @app.get("/health")
     async def health() -> Response:
@@ -237,6 +302,7 @@ def create_app(model: LoadedModel, worker: EngineWorker, served_name: str,
 
     @app.post("/v1/chat/completions")
     async def chat(body: ChatCompletionRequest, http: HttpRequest) -> Response:
+        http.state.request_id = f"chatcmpl-{uuid.uuid4().hex}"
         _check(body)
         if body.tool_choice not in (None, "auto", "none"):
             raise _Refused(400, "tool_choice other than 'auto' or 'none' is not supported (it needs constrained "
@@ -244,10 +310,12 @@ def create_app(model: LoadedModel, worker: EngineWorker, served_name: str,
         messages = [_message_dict(m) for m in body.messages]
         tools = body.tools if body.tool_choice != "none" else None
         prompt_ids = await tokenize(model.encode_messages, messages, tools=tools)
-        return await _complete(body, prompt_ids, http, chat=True)
+        parsing = ToolParsing(tool_call_parser, offered_tool_names(tools)) if tool_call_parser and tools else None
+        return await _complete(body, prompt_ids, http, chat=True, parsing=parsing)
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, http: HttpRequest) -> Response:
+        http.state.request_id = f"cmpl-{uuid.uuid4().hex}"
         _check(body)
         if isinstance(body.prompt, list):  # token ids: used as they are (what train-data --endpoint sends)
             vocab = model.decoder.shape.vocab_size
@@ -280,7 +348,8 @@ def create_app(model: LoadedModel, worker: EngineWorker, served_name: str,
         except ValueError as error:
             raise _Refused(400, str(error)) from None
 
-    async def _complete(body: _Sampling, prompt_ids: list[int], http: HttpRequest, chat: bool) -> Response:
+    async def _complete(body: _Sampling, prompt_ids: list[int], http: HttpRequest, chat: bool,
+                        parsing: ToolParsing | None = None) -> Response:
         request = _request(body, prompt_ids)
         try:
             ticket, events = worker.submit(request)
@@ -288,12 +357,11 @@ def create_app(model: LoadedModel, worker: EngineWorker, served_name: str,
             raise _Refused(400, str(error), "max_tokens") from None
         except Overloaded as error:
             raise _Refused(429, str(error), kind="rate_limit_error") from None
-        meta = {"id": f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}", "created": int(time.time()),
-                "model": served_name}
+        meta = {"id": http.state.request_id, "created": int(time.time()), "model": served_name}
         answer = _Answer(model, body.stop_strings())
         deadline = time.monotonic() + limits.request_timeout_s
         if body.stream:
-            return StreamingResponse(_stream(ticket, events, answer, meta, chat, deadline),
+            return StreamingResponse(_stream(ticket, events, answer, meta, chat, deadline, parsing),
                                      media_type="text/event-stream")
         try:
             outcome = await _wait(ticket, events, answer, http, deadline)
@@ -304,11 +372,21 @@ def create_app(model: LoadedModel, worker: EngineWorker, served_name: str,
             return Response(status_code=499)  # the client went away; its slot is freed
         if outcome == "timeout":
             return error_response(504, f"no answer within {limits.request_timeout_s:g} s", "timeout")
+        if isinstance(outcome, Exception) or outcome.finish_reason == "error":
+            message = _failure(meta["id"], outcome)
+            return error_response(500, message, "internal_error")
+        return JSONResponse(_full_response(answer, outcome, meta, chat, len(prompt_ids), parsing))
+
+    def _failure(request_id: str, outcome: Exception | GenerationResult) -> str:
+        """The client's message for a request the engine failed, logged (the engine or its worker logged the
+        traceback, with the engine's request id, which this line ties to the client's)."""
         if isinstance(outcome, Exception):
-            return error_response(500, f"engine failed: {outcome}", "internal_error")
-        if outcome.finish_reason == "error":
-            return error_response(500, f"this request failed in the engine: {outcome.error}", "internal_error")
-        return JSONResponse(_full_response(answer, outcome, meta, chat, len(prompt_ids)))
+            message = f"engine failed: {type(outcome).__name__}: {outcome}"
+        else:
+            message = f"this request failed in the engine: {outcome.error}"
+        engine_id = "" if isinstance(outcome, Exception) else f" (engine request {outcome.request_id})"
+        logger.error("request %s%s: %s", request_id, engine_id, message)
+        return f"{message} (request {request_id})"
 
     async def _next_event(events: asyncio.Queue, deadline: float, http: HttpRequest | None):
         """The next engine event, "timeout" past the deadline, or "disconnected" once the client left."""
@@ -336,12 +414,18 @@ def create_app(model: LoadedModel, worker: EngineWorker, served_name: str,
                 worker.cancel(ticket)
                 return GenerationResult(event.request_id, [], answer.token_ids, "stop", DecodeStats())
 
-    def _full_response(answer: _Answer, result: GenerationResult, meta: dict, chat: bool, prompt_tokens: int) -> dict:
+    def _full_response(answer: _Answer, result: GenerationResult, meta: dict, chat: bool, prompt_tokens: int,
+                       parsing: ToolParsing | None) -> dict:
         text = answer.text()
         reason = "stop" if answer.stopped else result.finish_reason
         choice = {"index": 0, "finish_reason": reason, "logprobs": None}
         if chat:
             choice["message"] = {"role": "assistant", "content": text}
+            parsed = parse_answer(text, parsing.parser, parsing.tool_names) if parsing else None
+            if parsed and parsed.tool_calls:
+                choice["message"] = {"role": "assistant", "content": parsed.content,
+                                     "tool_calls": [call.to_openai() for call in parsed.tool_calls]}
+                choice["finish_reason"] = _with_calls(reason)
         else:
             choice["text"] = text
         completion_tokens = len(answer.token_ids)
@@ -355,8 +439,10 @@ def create_app(model: LoadedModel, worker: EngineWorker, served_name: str,
         }
 
     async def _stream(ticket: int, events: asyncio.Queue, answer: _Answer, meta: dict, chat: bool,
-                      deadline: float) -> AsyncIterator[str]:
+                      deadline: float, parsing: ToolParsing | None) -> AsyncIterator[str]:
         kind = "chat.completion.chunk" if chat else "text_completion"
+        calls = ToolCallStream(parsing.parser, parsing.tool_names) if parsing else None
+        called = 0  # tool calls streamed so far
         finished = False
         try:
             if chat:
@@ -367,7 +453,7 @@ def create_app(model: LoadedModel, worker: EngineWorker, served_name: str,
                 if isinstance(event, (str, Exception)) or (
                     event.finished is not None and event.finished.finish_reason == "error"
                 ):
-                    yield _sse({"error": {"message": _stream_failure(event), "type": "internal_error"}})
+                    yield _sse({"error": {"message": _stream_failure(meta["id"], event), "type": "internal_error"}})
                     break
                 answer.add(event)
                 finished = event.finished is not None or answer.stopped
@@ -377,19 +463,33 @@ def create_app(model: LoadedModel, worker: EngineWorker, served_name: str,
                 reason = None
                 if finished:
                     reason = "stop" if answer.stopped else event.finished.finish_reason
-                body = {"delta": {"content": delta}} if chat else {"text": delta}
-                yield _sse({**meta, "object": kind, "choices": [{"index": 0, **body, "finish_reason": reason}]})
+                if calls is None:
+                    bodies = [{"delta": {"content": delta}} if chat else {"text": delta}]
+                else:
+                    items = calls.feed(delta) + (calls.finish() if finished else [])
+                    bodies = []
+                    for item in items:
+                        if isinstance(item, ToolCall):
+                            bodies += [{"delta": {"tool_calls": [d]}} for d in item.stream_deltas(called)]
+                            called += 1
+                        else:
+                            bodies.append({"delta": {"content": item}})
+                    if finished:
+                        bodies.append({"delta": {}})
+                        reason = _with_calls(reason) if called else reason
+                for i, body in enumerate(bodies):
+                    last = finished and i == len(bodies) - 1
+                    yield _sse({**meta, "object": kind,
+                                "choices": [{"index": 0, **body, "finish_reason": reason if last else None}]})
             yield "data: [DONE]\n\n"
         finally:
             if not finished or answer.stopped:
                 worker.cancel(ticket)
 
-    def _stream_failure(event) -> str:
+    def _stream_failure(request_id: str, event) -> str:
         if event == "timeout":
             return f"no answer within {limits.request_timeout_s:g} s"
-        if isinstance(event, Exception):
-            return f"engine failed: {event}"
-        return f"this request failed in the engine: {event.finished.error}"
+        return _failure(request_id, event if isinstance(event, Exception) else event.finished)
 
     return app
 
@@ -429,6 +529,11 @@ class _Answer:
             text = text[: max(len(self._sent), len(text) - hold)]
         delta, self._sent = text[len(self._sent):], text
         return delta
+
+
+def _with_calls(reason: str) -> str:
+    """The finish reason of an answer with tool calls: "tool_calls", unless max_tokens cut it."""
+    return "tool_calls" if reason == "stop" else reason
 
 
 def _sse(payload: dict) -> str:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import logging
 import threading
 import time
 from collections import deque
@@ -15,6 +16,8 @@ from dataclasses import dataclass
 
 from specstand.engine import Engine, Request, StepEvent
 from specstand.server.metrics import ServerMetrics
+
+logger = logging.getLogger(__name__)
 
 
 class Overloaded(RuntimeError):
@@ -93,6 +96,7 @@ class EngineWorker:
         try:
             self._loop()
         except BaseException as error:  # noqa: BLE001 - recorded for /health, then the thread ends
+            logger.critical("the engine thread died", exc_info=error)
             self._crash = f"{type(error).__name__}: {error}"
             raise
 
@@ -149,6 +153,8 @@ class EngineWorker:
             ticket.loop.call_soon_threadsafe(ticket.events.put_nowait, event)
 
     def _fail_all(self, error: Exception) -> None:
+        logger.error("an engine step failed; failing the %d requests in flight and resetting the engine",
+                     len(self._tickets), exc_info=error)
         with self._cond:
             tickets = list(self._tickets.values())
             self._tickets.clear()

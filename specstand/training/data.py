@@ -215,6 +215,23 @@ def save_rows(folder: Path, rows: list[TrainRow], meta: dict) -> None:
     write_text_atomic(folder / META, json.dumps(meta, indent=1) + "\n")
 
 
+def recorded_model(folder: Path) -> tuple[str, Path] | None:
+    """The target whose answers a train-data folder holds (finished: its meta.json; in progress: its partial
+    rows' configuration), and the file that says so; None for a folder without either."""
+    for path in (Path(folder) / META, Path(folder) / PARTIAL):
+        if not path.is_file():
+            continue
+        try:
+            with path.open() as f:
+                data = json.loads(f.read() if path.name == META else f.readline())
+        except (OSError, json.JSONDecodeError):
+            continue  # not ours to judge here: reading the rows reports it
+        model = data.get("model") if path.name == META else (data.get("config") or {}).get("model")
+        if isinstance(model, str):
+            return model, path
+    return None
+
+
 def load_rows(folder: Path) -> tuple[dict, list[TrainRow]]:
     folder = Path(folder)
     if not (folder / ROWS).is_file() or not (folder / META).is_file():

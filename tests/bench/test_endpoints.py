@@ -1,10 +1,14 @@
 """Connection reuse between the stand's client and a server: neither closes what the other is about to use."""
 
+import asyncio
+import json
+
 import httpx
 import uvicorn
 
 from specstand.bench.endpoints import KEEPALIVE_EXPIRY_S, OpenAIEndpoint
 from specstand.cli import KEEP_ALIVE_S
+from specstand.workloads import Call
 
 
 def test_idle_connections_expire_on_the_client_before_any_uvicorn_server_closes_them():
@@ -19,3 +23,23 @@ def test_idle_connections_expire_on_the_client_before_any_uvicorn_server_closes_
 def test_specstand_serve_keeps_idle_connections_longer_than_httpx_clients_do():
     # the openai SDK is an httpx client: with its default pool it drops an idle connection first
     assert httpx.Limits().keepalive_expiry < KEEP_ALIVE_S
+
+
+def test_the_api_key_is_sent_and_tool_calls_are_read():
+    seen = []
+
+    def answer(request: httpx.Request) -> httpx.Response:
+        seen.append(request.headers.get("authorization"))
+        message = {"role": "assistant", "content": None, "tool_calls": [
+            {"id": "call_1", "type": "function", "function": {"name": "find", "arguments": '{"a": 1}'}}]}
+        return httpx.Response(200, json={"choices": [{"index": 0, "message": message, "finish_reason": "tool_calls"}],
+                                         "usage": {"completion_tokens": 9}})
+
+    endpoint = OpenAIEndpoint("http://stand.test", model="m", api_key="k1")
+    endpoint.client = httpx.AsyncClient(transport=httpx.MockTransport(answer), headers=endpoint.client.headers)
+    call = Call("a", messages=[{"role": "user", "content": "q"}], tools=[{"type": "function", "function": {}}])
+    reply = asyncio.run(endpoint.complete(call))
+    assert seen == ["Bearer k1"]
+    assert (reply.text, reply.finish_reason, reply.completion_tokens) == ("", "tool_calls", 9)
+    assert reply.tool_calls == [{"name": "find", "arguments": '{"a": 1}'}]
+    assert json.loads(reply.tool_calls[0]["arguments"]) == {"a": 1}

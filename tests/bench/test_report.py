@@ -104,3 +104,32 @@ def test_the_mean_turn_time_is_reported_beside_the_median():
     table = render_markdown(summary, ["none", "fast"], [2], "none", {})
     assert "| speedup vs none (turn mean), U=2 | x1.00 | x2.00 |" in table
     assert "| turn mean, U=2 (s) | 2.00 [2.00–2.00] | 1.00 [1.00–1.00] |" in table
+
+
+def _tool_run(target: str, tool_calls: list[list[dict] | None], text: str = "") -> RunResult:
+    turns = [TurnRecord(f"t{i}", 0, 0.0, 1.0, [CallRecord(f"t{i}", "a", "s", 0.0, 1.0, text, 4, "tool_calls", "",
+                                                         calls)])
+             for i, calls in enumerate(tool_calls)]
+    return RunResult(target, 1, 0, 1.0, turns, {})
+
+
+def test_tool_calls_are_judged_and_compared():
+    tools = [{"type": "function", "function": {"name": "find", "parameters": {}}}]
+    workload = [Turn(f"t{i}", [Call(id="a", messages=[{"role": "user", "content": "q"}], tools=tools)])
+                for i in range(4)]
+    good = [{"name": "find", "arguments": '{"city": "Oslo", "n": 2}'}]
+    answers = [good, [{"name": "find", "arguments": '{"city": '}], [{"name": "book", "arguments": "{}"}],
+               [{"name": "find", "arguments": "[1]"}]]
+    summary = summarize([_tool_run("none", answers)], workload, "none")["none"][1][0]
+    assert summary["broken_json"] == 0.75 and summary["identical"] == 1.0
+    # the same call with its arguments in another key order is identical; another argument value is not
+    reordered = [[{"name": "find", "arguments": '{"n": 2, "city": "Oslo"}'}], *answers[1:]]
+    changed = [[{"name": "find", "arguments": '{"city": "Bergen", "n": 2}'}], *answers[1:]]
+    for other, identical in ((reordered, 1.0), (changed, 0.75)):
+        runs = [_tool_run("none", answers), _tool_run("x", other)]
+        assert summarize(runs, workload, "none")["x"][1][0]["identical"] == identical
+    # the same calls with different text beside them differ; a plain answer without JSON expected is not judged
+    runs = [_tool_run("none", answers), _tool_run("x", answers, text="Sure.")]
+    assert summarize(runs, workload, "none")["x"][1][0]["identical"] == 0.0
+    plain = summarize([_tool_run("none", [None] * 4, text="hello")], workload, "none")["none"][1][0]
+    assert plain["broken_json"] is None

@@ -172,3 +172,21 @@ def test_the_gguf_blocks_stay_out_of_the_weights_other_servers_load(home, monkey
     folder = presets.fetch("fake", log=lambda _: None)
     assert [p.name for p in folder.glob("*.safetensors")] == ["model.safetensors"]
     assert (folder / presets.gguf_blocks.FILE).read_bytes() == b"blocks" and presets.is_fetched("fake")
+
+
+def test_every_preset_names_a_tool_call_parser_the_server_has():
+    from specstand.server.tool_calls import PARSERS
+
+    assert {presets.default_tool_call_parser(name) for name in presets.PRESETS} <= set(PARSERS)
+    assert presets.default_tool_call_parser("qwen2.5-coder-0.5b") == "json"
+    assert presets.default_tool_call_parser("some/hub-model") == "json"
+
+
+def test_same_model_knows_a_preset_by_name_and_folder(tmp_path, monkeypatch):
+    from specstand.models.loading import same_model
+
+    monkeypatch.setenv("SPECSTAND_HOME", str(tmp_path))
+    folder = presets.preset_dir("smollm2-135m")
+    folder.mkdir(parents=True)
+    assert same_model("smollm2-135m", str(folder)) and same_model(str(folder), str(folder / ".." / folder.name))
+    assert not same_model("smollm2-135m", "qwen2.5-coder-0.5b") and not same_model("smollm2-135m", str(tmp_path))

@@ -7,6 +7,7 @@ import threading
 import time
 
 import httpx
+import pytest
 import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
@@ -94,6 +95,14 @@ def _strict_upstream():
         body = await request.json()
         if body.get("max_tokens") == 13:
             return JSONResponse({"error": {"message": "upstream broke"}}, 503)
+        if body.get("stream") and body.get("max_tokens") == 31:  # a call streamed as OpenAI streams it
+            async def call_chunks():
+                for delta in ({"index": 0, "id": "c2", "type": "function", "function": {"name": "f", "arguments": ""}},
+                              {"index": 0, "function": {"arguments": "{\"city\": "}},
+                              {"index": 0, "function": {"arguments": "\"Oslo\"}"}}):
+                    yield "data: " + json.dumps({"choices": [{"index": 0, "delta": {"tool_calls": [delta]}}]}) + "\n\n"
+                yield "data: [DONE]\n\n"
+            return StreamingResponse(call_chunks(), media_type="text/event-stream")
         if body.get("stream"):
             async def chunks():
                 for piece in ("{\"a\": ", "1}"):
@@ -130,6 +139,8 @@ def test_headers_statuses_and_tool_calls_pass_through(tmp_path):
             assert streamed.status_code == 503  # not a 200 stream around the error
         with httpx.stream("POST", chat, json={**second, "stream": True}, headers=auth) as streamed:
             assert streamed.status_code == 200 and "[DONE]" in "".join(streamed.iter_lines())
+        with httpx.stream("POST", chat, json={**first, "stream": True, "max_tokens": 31}, headers=auth) as streamed:
+            assert streamed.status_code == 200 and "[DONE]" in "".join(streamed.iter_lines())
         gone, gone_url = _serve(_strict_upstream())
         _stop(gone)
         unreachable, unreachable_url = _serve(create_recorder(gone_url, tmp_path / "none.jsonl"))
@@ -140,8 +151,12 @@ def test_headers_statuses_and_tool_calls_pass_through(tmp_path):
     text = out.read_text()
     assert "s3cret" not in text  # the token went upstream, never to the file
     (turn,) = load_workload(out)
-    assert [c.tools for c in turn.calls] == [tools, tools]
+    assert [c.tools for c in turn.calls] == [tools, tools, tools]
     assert turn.calls[1].messages[1]["content"] is None and turn.calls[1].recorded["answer"] == '{"a": 1}'
+    assert turn.calls[0].recorded["tool_calls"] == [{"name": "f", "arguments": "{}"}]
+    assert "tool_calls" not in turn.calls[1].recorded
+    assert turn.calls[2].recorded["tool_calls"] == [{"name": "f", "arguments": '{"city": "Oslo"}'}]
+    assert turn.calls[2].recorded["answer"] == ""
 
 
 def test_turns_are_appended_once_finished(tmp_path):
@@ -161,3 +176,33 @@ def test_turns_are_appended_once_finished(tmp_path):
     finally:
         _stop(recorder, upstream)
     assert [t.turn_id for t in load_workload(out)] == ["a", "a#2"]
+
+
+def test_an_agent_records_through_to_a_keyed_specstand_server(tmp_path):
+    """The openai client -> recorder -> `specstand serve` with an API key and tool calls: the key goes
+    through (a wrong one gets the server's 401), and the server's tool calls are recorded."""
+    import openai
+
+    from tests.server.scripted_model import save_scripted_model
+    from tests.server.test_server import LiveServer
+    from tests.server.test_tool_call_server import ANSWER, ASK, TOOLS
+
+    folder = save_scripted_model(tmp_path / "scripted", ANSWER["answer"])
+    server = LiveServer(folder, tool_call_parser="json", api_key="k-38")
+    out = tmp_path / "agent.jsonl"
+    recorder, url = _serve(create_recorder(server.url, out))
+    try:
+        agent = openai.OpenAI(base_url=url + "/v1", api_key="k-38", max_retries=0, timeout=60)
+        reply = agent.chat.completions.create(model=agent.models.list().data[0].id, messages=ASK, tools=TOOLS,
+                                              temperature=0, max_tokens=200, extra_headers={"X-Turn-Id": "k"})
+        assert reply.choices[0].finish_reason == "tool_calls"
+        stranger = openai.OpenAI(base_url=url + "/v1", api_key="wrong", max_retries=0, timeout=60)
+        with pytest.raises(openai.AuthenticationError):
+            stranger.chat.completions.create(model="m", messages=ASK, max_tokens=4)
+    finally:
+        _stop(recorder)
+        server.close()
+    (turn,) = load_workload(out)
+    (call,) = turn.calls
+    assert [[c["name"], json.loads(c["arguments"])] for c in call.recorded["tool_calls"]] == ANSWER["calls"]
+    assert call.recorded["answer"] == ANSWER["content"] and "k-38" not in out.read_text()

@@ -35,7 +35,8 @@ class LiveServer:
             assert time.time() < deadline, "server did not start"
             time.sleep(0.05)
         self.url = f"http://127.0.0.1:{self.port}"
-        self.client = openai.OpenAI(base_url=self.url + "/v1", api_key="unused", max_retries=0, timeout=60)
+        self.client = openai.OpenAI(base_url=self.url + "/v1", api_key=config.get("api_key") or "unused",
+                                    max_retries=0, timeout=60)
 
     def close(self):
         self.server.should_exit = True

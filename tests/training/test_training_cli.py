@@ -90,3 +90,56 @@ def test_q8_0_target_answers_trains_and_evaluates(capsys, tiny_model_dir, tmp_pa
                         str(tmp_path / "data"), "--k", "3", "--json", str(tmp_path / "eval.json"))
     assert code == 0, err
     assert all(f["identical"] for f in json.loads((tmp_path / "eval.json").read_text())["figures"])
+
+
+class _Loaded(Exception):
+    """Raised by a stand-in for load_model: which model a command would load, without loading it."""
+
+
+def _target_of(capsys, monkeypatch, *argv: str) -> tuple[str | None, int, str]:
+    import specstand.models
+
+    def load(model, *_, **__):
+        raise _Loaded(model)
+
+    monkeypatch.setattr(specstand.models, "load_model", load)
+    try:
+        code, _, err = _run(capsys, *argv)
+    except _Loaded as loaded:
+        return str(loaded), 0, ""
+    return None, code, err
+
+
+def test_training_commands_take_the_recorded_target_and_refuse_another(capsys, monkeypatch, tiny_model_dir, tiny_data,
+                                                                       trained, tmp_path):
+    workload = tmp_path / "w.jsonl"
+    save_workload(tiny_turns(2), workload)
+    drafter = trained["dflash", 1]
+    capsys.readouterr()  # the training's progress bars
+    heldout = tmp_path / "heldout"  # the same answers, all held out
+    heldout.mkdir()
+    (heldout / "meta.json").write_text((tiny_data / "meta.json").read_text())
+    rows = [json.loads(line) for line in (tiny_data / "rows.jsonl").read_text().splitlines()]
+    (heldout / "rows.jsonl").write_text("".join(json.dumps({**r, "split": "heldout"}) + "\n" for r in rows))
+    commands = [("train", "--method", "dflash", "--data", str(tiny_data), "--out", str(tmp_path / "d")),
+                ("eval-drafter", "--drafter", str(drafter), "--data", str(heldout)),
+                ("train-data", "--workload", str(workload), "--out", str(tiny_data))]  # resumes: keeps its target
+    for argv in commands:
+        assert _target_of(capsys, monkeypatch, *argv)[0] == str(tiny_model_dir), argv
+        assert _target_of(capsys, monkeypatch, *argv, "--model", str(tiny_model_dir))[0] == str(tiny_model_dir)
+        loaded, code, err = _target_of(capsys, monkeypatch, *argv, "--model", "smollm2-135m")
+        assert loaded is None and code == 2 and len(err.strip().splitlines()) == 1, argv
+        assert "--model smollm2-135m" in err and str(tiny_model_dir) in err
+    # new data: --model, or the default model
+    fresh = ("train-data", "--workload", str(workload), "--out", str(tmp_path / "new"))
+    assert _target_of(capsys, monkeypatch, *fresh)[0] == "smollm2-135m"
+    assert _target_of(capsys, monkeypatch, *fresh, "--model", "qwen2.5-coder-0.5b")[0] == "qwen2.5-coder-0.5b"
+
+
+def test_data_of_two_targets_is_refused(capsys, monkeypatch, tiny_data, tmp_path):
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "meta.json").write_text(json.dumps({"model": "smollm2-135m"}))
+    loaded, code, err = _target_of(capsys, monkeypatch, "train", "--method", "dflash", "--data", str(tiny_data),
+                                   "--data", str(other), "--out", str(tmp_path / "d"))
+    assert loaded is None and code == 2 and "smollm2-135m" in err and "was made with" in err

@@ -1,0 +1,138 @@
+"""Schema drafting: the text a tool call's structure forces, as the target's tokenizer writes it.
+
+Per request, the tools and response format (or a tools list found in the prompt) give an `AnswerReader`
+(json_reader.py) that follows the answer's text. Where the next text is forced (`{"name": "`, the rest of a
+unique function name, `", "arguments": {"`, required keys, enum values, closing braces and tags), the
+drafter drafts its tokens with confidence 1.0; inside free values (strings, numbers) and wherever the text
+has a choice it drafts by suffix decoding over the prompt, the conversation and earlier answers (a composed
+`SuffixDrafter`, whose path probabilities are the confidence), and after forced tokens it lets suffix
+decoding go on from them. Training-free and lossless like every drafter: an answer that leaves the schema
+only makes the forced drafts stop.
+
+Tokens: a BPE token may span the end of the answer so far and the start of the forced text, or the end of
+the forced text and what follows. So the answer's last few tokens are decoded and encoded again with the
+forced text behind them; where the encoding gives back those very tokens, the tokens after them are the
+forced text's, and only those that stay the same whatever character follows the forced text are drafted.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+from typing import Protocol
+
+from specstand.drafters.base import Draft, Drafter, HiddenRows, SequenceView
+from specstand.drafters.json_reader import AnswerReader, Forced, answer_structure, forced_text
+from specstand.drafters.suffix import SuffixConfig, SuffixDrafter
+
+# samples of what may follow forced text where the structure does not say: no token of the text that one of
+# them would change is drafted, nor its last token ("" is the end of the answer)
+SAMPLE_FOLLOWERS = ("", "a", "S", "1", " ", "\n", '"', "'", "{", "}", "[", "]", ",", ":", ".", "-", "_", "$", "<", "`")
+
+
+class TextCodec(Protocol):
+    """The target's tokenizer, as a drafter uses it: text <-> token ids, no special tokens added."""
+
+    def encode(self, text: str) -> list[int]: ...
+
+    def decode(self, token_ids: list[int]) -> str: ...
+
+
+@dataclass(frozen=True)
+class HFTextCodec:
+    """A transformers tokenizer as a `TextCodec` (decoding keeps every character: no space clean-up)."""
+
+    tokenizer: object
+
+    def encode(self, text: str) -> list[int]:
+        return self.tokenizer(text, add_special_tokens=False)["input_ids"]
+
+    def decode(self, token_ids: list[int]) -> str:
+        return self.tokenizer.decode(token_ids, skip_special_tokens=False, clean_up_tokenization_spaces=False)
+
+
+@dataclass(frozen=True)
+class SchemaConfig:
+    suffix: SuffixConfig = field(default_factory=SuffixConfig)
+    tail_tokens: int = 8  # answer tokens encoded again with the forced text (BPE merges reach no further back)
+    max_forced_chars: int = 160  # forced text looked at per draft (far more than K tokens of it)
+
+
+@dataclass
+class _Answer:
+    """One request's reader and the answer text it has read."""
+
+    reader: AnswerReader
+    text: str = ""
+
+    def read(self, text: str) -> AnswerReader:
+        if not text.startswith(self.text):  # decoding changed behind us (a partial UTF-8 character completed)
+            self.reader, self.text = AnswerReader(self.reader.structure), ""
+        self.reader.feed(text[len(self.text) :])
+        self.text = text
+        return self.reader
+
+
+class SchemaDrafter(Drafter):
+    name = "schema"
+
+    def __init__(self, codec: TextCodec, config: SchemaConfig | None = None) -> None:
+        self.codec = codec
+        self.config = config or SchemaConfig()
+        self.suffix = SuffixDrafter(self.config.suffix)
+        self._answers: dict[int, _Answer] = {}
+
+    def begin(self, seq: SequenceView) -> None:
+        self.suffix.begin(seq)
+        prompt_text = "" if seq.tools else self.codec.decode(seq.token_ids[: seq.prompt_len])
+        structure = answer_structure(seq.tools, seq.response_format, prompt_text)
+        if structure is not None:
+            self._answers[seq.request_id] = _Answer(AnswerReader(structure))
+
+    def propose(self, seq: SequenceView, max_tokens: int) -> Draft:
+        if max_tokens <= 0:
+            return Draft([])
+        forced = self._forced_tokens(seq)[:max_tokens]
+        if not forced:
+            return self.suffix.propose(seq, max_tokens)
+        more = max_tokens - len(forced)
+        after = self.suffix.propose(replace(seq, token_ids=seq.token_ids + forced), more) if more else Draft([])
+        return Draft(forced + after.tokens, confidence=[1.0] * len(forced) + list(after.confidence or []))
+
+    def extend(self, seq: SequenceView, new_tokens: list[int], hidden: HiddenRows | None = None) -> None:
+        self.suffix.extend(seq, new_tokens, hidden)
+
+    def end(self, seq: SequenceView) -> None:
+        self.suffix.end(seq)
+        self._answers.pop(seq.request_id, None)
+
+    def _forced_tokens(self, seq: SequenceView) -> list[int]:
+        answer = self._answers.get(seq.request_id)
+        if answer is None:
+            return []
+        answer_ids = seq.output_ids
+        forced = forced_text(answer.read(self.codec.decode(answer_ids)), self.config.max_forced_chars)
+        return continuation_tokens(self.codec, answer_ids, forced, self.config.tail_tokens) if forced.text else []
+
+
+def continuation_tokens(codec: TextCodec, answer_ids: list[int], forced: Forced, tail_tokens: int) -> list[int]:
+    """The tokens the forced text adds after `answer_ids` as `codec` writes them, as far as what follows
+    cannot change them; [] where the answer's own last tokens are not what encoding its text would give
+    (the target split differently there: where its next token starts is not known)."""
+    followers = forced.followers if forced.followers is not None else SAMPLE_FOLLOWERS
+    for n in dict.fromkeys((min(tail_tokens, len(answer_ids)), min(2, len(answer_ids)))):
+        tail = answer_ids[len(answer_ids) - n :]
+        head = codec.decode(tail)
+        encodings = [codec.encode(head + forced.text + follower) for follower in followers]
+        if all(ids[:n] == tail for ids in encodings):
+            stable = _common_prefix([ids[n:] for ids in encodings])
+            # where anything may follow, the forced text's own last token is not drafted either
+            return stable if forced.followers is not None else stable[: len(codec.encode(head + forced.text)) - n - 1]
+    return []
+
+
+def _common_prefix(sequences: list[list[int]]) -> list[int]:
+    first, length = sequences[0], len(sequences[0])
+    for other in sequences[1:]:
+        length = next((i for i, (a, b) in enumerate(zip(first[:length], other, strict=False)) if a != b),
+                      min(length, len(other)))
+    return first[:length]

@@ -20,7 +20,7 @@ def _run(capsys, *argv: str) -> tuple[int, str, str]:
 
 def test_generate_json_with_every_method(capsys, tiny_model_dir):
     outputs = {}
-    for method, flags in (("none", []), ("ngram", []), ("suffix", []), ("suffix", ["--adaptive"])):
+    for method, flags in (("none", []), ("ngram", []), ("suffix", []), ("suffix", ["--adaptive"]), ("schema", [])):
         code, out, _ = _run(capsys, "generate", "--model", str(tiny_model_dir), "--method", method,
                             "--prompt", "w3 w4 w5 w3 w4 w5 w3 w4", "--max-tokens", "12", "--json", *flags)
         assert code == 0
@@ -29,7 +29,7 @@ def test_generate_json_with_every_method(capsys, tiny_model_dir):
         assert result["stats"]["tau"] >= 1.0 and result["stats"]["target_passes"] >= 1
         assert result["adaptive"] == bool(flags)
         outputs[method + "".join(flags)] = result["token_ids"]
-    assert outputs["ngram"] == outputs["none"] == outputs["suffix"] == outputs["suffix--adaptive"]
+    assert outputs["ngram"] == outputs["none"] == outputs["suffix"] == outputs["suffix--adaptive"] == outputs["schema"]
 
 
 @pytest.mark.skipif(not KERNEL_PATHS, reason="q8_0 runs on the kernels, which do not build here")
@@ -122,6 +122,10 @@ def test_vllm_speculative_config_stands_for_method_k_and_ngram_sizes(capsys, tin
     assert code == 0
     stats = json.loads(out)["stats"]
     assert stats["passes_with_draft"] > 0 and 0 < len(stats["drafted_per_position"]) <= 3  # K from the config
+    code, out, _ = _run(capsys, "generate", "--model", str(tiny_model_dir), "--speculative-config",
+                        '{"method": "schema", "num_speculative_tokens": 4}', "--prompt", "w3 w4", "--max-tokens", "4",
+                        "--json")
+    assert code == 0 and json.loads(out)["method"] == "schema"
     for bad, message in [
         ("{not json", "not valid JSON"),
         ('{"method": "medusa"}', "method 'medusa'"),

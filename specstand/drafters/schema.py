@@ -5,8 +5,9 @@ Per request, the tools and response format (or a tools list found in the prompt)
 unique function name, `", "arguments": {"`, required keys, enum values, closing braces and tags), the
 drafter drafts its tokens with confidence 1.0; inside free values (strings, numbers) and wherever the text
 has a choice it drafts by suffix decoding over the prompt, the conversation and earlier answers (a composed
-`SuffixDrafter`, whose path probabilities are the confidence), and after forced tokens it lets suffix
-decoding go on from them. Training-free and lossless like every drafter: an answer that leaves the schema
+`SuffixDrafter`, whose path probabilities are the confidence). The two take turns within a draft: suffix
+decoding goes on after forced tokens, and its guess gives way where the structure forces other text (past a
+copied value, the schema's next key). Training-free and lossless like every drafter: an answer that leaves the schema
 only makes the forced drafts stop.
 
 Tokens: a BPE token may span the end of the answer so far and the start of the forced text, or the end of
@@ -71,6 +72,14 @@ class _Answer:
         self.text = text
         return self.reader
 
+    def guess(self, text: str) -> AnswerReader | None:
+        """A reader of the answer read so far followed by drafted text (None where their decoding differs)."""
+        if not text.startswith(self.text):
+            return None
+        reader = self.reader.clone()
+        reader.feed(text[len(self.text) :])
+        return reader
+
 
 class SchemaDrafter(Drafter):
     name = "schema"
@@ -89,14 +98,29 @@ class SchemaDrafter(Drafter):
             self._answers[seq.request_id] = _Answer(AnswerReader(structure))
 
     def propose(self, seq: SequenceView, max_tokens: int) -> Draft:
+        """Forced tokens where the structure forces them, else suffix decoding's guess up to where the
+        structure forces something else, in turns. A token's confidence is the chance that the draft survives
+        to it as suffix statistics tell (forced text does not lower it)."""
         if max_tokens <= 0:
             return Draft([])
-        forced = self._forced_tokens(seq)[:max_tokens]
-        if not forced:
-            return self.suffix.propose(seq, max_tokens)
-        more = max_tokens - len(forced)
-        after = self.suffix.propose(replace(seq, token_ids=seq.token_ids + forced), more) if more else Draft([])
-        return Draft(forced + after.tokens, confidence=[1.0] * len(forced) + list(after.confidence or []))
+        tokens: list[int] = []
+        confidence: list[float] = []
+        survival = 1.0
+        while len(tokens) < max_tokens:
+            forced = self._forced_tokens(seq, tokens)[: max_tokens - len(tokens)]
+            if forced:
+                tokens += forced
+                confidence += [survival] * len(forced)
+                continue
+            view = replace(seq, token_ids=seq.token_ids + tokens)
+            guess = self.suffix.propose(view, max_tokens - len(tokens))
+            kept = self._until_structure(seq, tokens, guess.tokens)
+            tokens += guess.tokens[:kept]
+            confidence += [survival * p for p in (guess.confidence or [])[:kept]]
+            survival = confidence[-1] if confidence else survival
+            if kept == len(guess.tokens):
+                break
+        return Draft(tokens, confidence=confidence)
 
     def extend(self, seq: SequenceView, new_tokens: list[int], hidden: HiddenRows | None = None) -> None:
         self.suffix.extend(seq, new_tokens, hidden)
@@ -105,12 +129,29 @@ class SchemaDrafter(Drafter):
         self.suffix.end(seq)
         self._answers.pop(seq.request_id, None)
 
-    def _forced_tokens(self, seq: SequenceView) -> list[int]:
+    def _until_structure(self, seq: SequenceView, drafted: list[int], guess: list[int]) -> int:
+        """How many tokens of suffix decoding's `guess` (after `drafted`) to keep: all, or those before the
+        first point where the structure forces a token other than the guess's next (e.g. past a value the
+        guess copied, where the schema's next key follows)."""
+        for kept in range(1, len(guess)):
+            forced = self._forced_tokens(seq, drafted + guess[:kept])
+            if forced and forced[0] != guess[kept]:
+                return kept
+        return len(guess)
+
+    def _forced_tokens(self, seq: SequenceView, drafted: list[int] | None = None) -> list[int]:
+        """The forced tokens after the answer so far and the tokens `drafted` after it in this draft."""
         answer = self._answers.get(seq.request_id)
         if answer is None:
             return []
         answer_ids = seq.output_ids
-        forced = forced_text(answer.read(self.codec.decode(answer_ids)), self.config.max_forced_chars)
+        reader = answer.read(self.codec.decode(answer_ids))
+        if drafted:
+            answer_ids = answer_ids + drafted
+            reader = answer.guess(self.codec.decode(answer_ids))
+            if reader is None:
+                return []
+        forced = forced_text(reader, self.config.max_forced_chars)
         return continuation_tokens(self.codec, answer_ids, forced, self.config.tail_tokens) if forced.text else []
 
 

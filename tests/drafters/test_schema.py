@@ -192,6 +192,19 @@ def test_drafts_go_on_by_suffix_decoding_and_carry_confidence():
     assert drafter._answers == {} and drafter.suffix._local == {}
 
 
+def test_where_a_copied_value_ends_the_schemas_next_key_takes_over():
+    codec = json_piece_codec(200)
+    prompt = codec.encode('{"search_type": "LAND", "zone": 1}\n')
+    answer = codec.encode('{"name": "Search_Hotels", "arguments": {"search_type": "')
+    seq = SequenceView(0, prompt + answer, len(prompt), tools=CFB_TOOLS)
+    drafter = SchemaDrafter(codec)
+    drafter.begin(seq)
+    draft = drafter.propose(seq, 20)
+    # suffix decoding copies the value and would go on with "zone"; the next required key follows instead
+    assert codec.decode(draft.tokens).startswith('LAND", "arrival_date')
+    assert len(draft.confidence) == len(draft.tokens) and draft.confidence == sorted(draft.confidence, reverse=True)
+
+
 def test_schema_is_a_method_and_needs_the_tokenizer():
     assert "schema" in METHODS
     with pytest.raises(ValueError, match="tokenizer"):

@@ -89,9 +89,9 @@ class CountingSchemaDrafter(SchemaDrafter):
 
     forced_drafts = 0
 
-    def _forced_tokens(self, seq: SequenceView) -> list[int]:
-        tokens = super()._forced_tokens(seq)
-        self.forced_drafts += bool(tokens)
+    def _forced_tokens(self, seq: SequenceView, drafted: list[int] | None = None) -> list[int]:
+        tokens = super()._forced_tokens(seq, drafted)
+        self.forced_drafts += bool(tokens) and not drafted
         return tokens
 
 

@@ -170,7 +170,7 @@ def _training_parsers(commands) -> None:
     data.add_argument("--temperature", type=float, default=0.0, help="0: greedy answers")
     data.add_argument("--seed", type=int, default=0, help="sampling seed (with --temperature > 0)")
     data.add_argument("--samples", type=int, default=1, help="answers per call (needs --temperature > 0)")
-    data.add_argument("--method", default="suffix", choices=["none", "ngram", "suffix"],
+    data.add_argument("--method", default="suffix", choices=["none", "ngram", "suffix", "schema"],
                       help="training-free drafter that speeds answering up (lossless: the answers do not change)")
     data.add_argument("--k", type=int, default=5, help="draft tokens verified per pass")
     data.add_argument("--endpoint", default=None, metavar="URL",
@@ -246,8 +246,9 @@ def _model_args(parser: argparse.ArgumentParser, vllm_spellings: bool = False) -
     parser.add_argument("--max-seq-len", *(["--max-model-len"] if vllm_spellings else []), dest="max_seq_len",
                         type=int, default=2048, help="context (cache capacity) per request")
     parser.add_argument("--speculative-config", default=None,
-                        help="vLLM's JSON instead of --method/--k/--drafter: method (ngram, suffix, eagle3, dflash, "
-                             "mtp), model, num_speculative_tokens, prompt_lookup_min, prompt_lookup_max")
+                        help="vLLM's JSON instead of --method/--k/--drafter: method (ngram, suffix, schema, eagle3, "
+                             "dflash, mtp), model, num_speculative_tokens, prompt_lookup_min, prompt_lookup_max, "
+                             "adaptive")
     parser.add_argument("--adaptive", action=argparse.BooleanOptionalAction, default=True,
                         help="verify only the draft tokens expected to pay for their rows (load-aware, lossless; "
                              "the default); --no-adaptive verifies every draft at fixed K")
@@ -307,7 +308,7 @@ def cmd_generate(args: argparse.Namespace) -> None:
 
     model = load_model(args.model, args.dtype, args.max_seq_len, log=_log)
     prompt_ids = model.encode_messages(messages) if messages else model.encode_prompt(args.prompt)
-    drafter = make_drafter(args.method, model.decoder, args.model, args.drafter, args.ngram)
+    drafter = make_drafter(args.method, model.decoder, args.model, args.drafter, args.ngram, model.tokenizer)
     args.k = default_k(drafter, args.k)
     config = EngineConfig(num_speculative_tokens=args.k, max_seq_len=model.max_positions, adaptive=args.adaptive)
     engine = Engine(model.decoder, drafter, config)
@@ -346,7 +347,7 @@ def cmd_generate(args: argparse.Namespace) -> None:
 
 # vLLM's speculative methods -> ours
 VLLM_METHODS = {"ngram": "ngram", "suffix": "suffix", "eagle3": "eagle3", "dflash": "dflash", "mtp": "mtp",
-                "deepseek_mtp": "mtp", "dspark": "dspark", "dflash2": "dflash2"}
+                "deepseek_mtp": "mtp", "dspark": "dspark", "dflash2": "dflash2", "schema": "schema"}
 
 
 def _apply_speculative_config(args: argparse.Namespace) -> None:
@@ -661,7 +662,7 @@ def cmd_train_data(args: argparse.Namespace) -> None:
         raise CliError(str(error)) from None
     if partial.rows:
         _log(f"resuming: {len(partial.rows)} answers already in {partial.path}")
-    drafter = make_drafter(args.method)
+    drafter = make_drafter(args.method, tokenizer=model.tokenizer)
     started = time.perf_counter()
     try:
         rows = generate_rows(model, turns, args.heldout, sampling, args.max_batch, model.max_positions, drafter,

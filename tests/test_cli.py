@@ -21,7 +21,7 @@ def _run(capsys, *argv: str) -> tuple[int, str, str]:
 
 def test_generate_json_with_every_method(capsys, tiny_model_dir):
     outputs = {}
-    for method, flags in (("none", []), ("ngram", []), ("suffix", []), ("suffix", ["--no-adaptive"])):
+    for method, flags in (("none", []), ("ngram", []), ("suffix", []), ("suffix", ["--no-adaptive"]), ("schema", [])):
         code, out, _ = _run(capsys, "generate", "--model", str(tiny_model_dir), "--method", method,
                             "--prompt", "w3 w4 w5 w3 w4 w5 w3 w4", "--max-tokens", "12", "--json", *flags)
         assert code == 0
@@ -30,7 +30,8 @@ def test_generate_json_with_every_method(capsys, tiny_model_dir):
         assert result["stats"]["tau"] >= 1.0 and result["stats"]["target_passes"] >= 1
         assert result["adaptive"] == (not flags)  # adaptive verification unless told --no-adaptive
         outputs[method + "".join(flags)] = result["token_ids"]
-    assert outputs["ngram"] == outputs["none"] == outputs["suffix"] == outputs["suffix--no-adaptive"]
+    assert outputs["none"] == outputs["ngram"] == outputs["suffix"] == outputs["suffix--no-adaptive"]
+    assert outputs["schema"] == outputs["none"]
 
 
 def test_speculative_config_turns_adaptive_verification_off_or_refuses_a_non_boolean(capsys, tiny_model_dir):
@@ -133,6 +134,10 @@ def test_vllm_speculative_config_stands_for_method_k_and_ngram_sizes(capsys, tin
     assert code == 0
     stats = json.loads(out)["stats"]
     assert stats["passes_with_draft"] > 0 and 0 < len(stats["drafted_per_position"]) <= 3  # K from the config
+    code, out, _ = _run(capsys, "generate", "--model", str(tiny_model_dir), "--speculative-config",
+                        '{"method": "schema", "num_speculative_tokens": 4}', "--prompt", "w3 w4", "--max-tokens", "4",
+                        "--json")
+    assert code == 0 and json.loads(out)["method"] == "schema"
     for bad, message in [
         ("{not json", "not valid JSON"),
         ('{"method": "medusa"}', "method 'medusa'"),

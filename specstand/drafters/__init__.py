@@ -1,8 +1,10 @@
 """Drafters, one file per method, all behind `Drafter` (base.py).
 
-Training-free: ngram.py, suffix.py. Trained (their weights come from `specstand train`): eagle3.py and
-mtp.py (both token-by-token, core in chain.py), dflash.py (one pass per block) and its variants dspark.py
-(Markov + confidence heads) and dflash2.py (convolutions + candidate selector); trained.py loads them.
+Training-free: ngram.py, suffix.py, and schema.py (the text a request's tools and response format force,
+else suffix drafts; it writes with the target's tokenizer, and json_reader.py follows the answer's text).
+Trained (their weights come from `specstand train`): eagle3.py and mtp.py (both token-by-token, core in
+chain.py), dflash.py (one pass per block) and its variants dspark.py (Markov + confidence heads) and
+dflash2.py (convolutions + candidate selector); trained.py loads them.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ from pathlib import Path
 
 from specstand.drafters.base import Draft, Drafter, HiddenRows, SequenceView
 from specstand.drafters.ngram import NgramConfig, NgramDrafter
+from specstand.drafters.schema import HFTextCodec, SchemaConfig, SchemaDrafter, TextCodec
 from specstand.drafters.suffix import SuffixConfig, SuffixDrafter
 from specstand.drafters.trained import TRAINED, DrafterLoadError, load_drafter, read_spec, shipped_drafter
 from specstand.runner.transformer import DecoderModel
@@ -21,17 +24,27 @@ DRAFTERS: dict[str, Callable[[], Drafter]] = {
     "ngram": NgramDrafter,
     "suffix": SuffixDrafter,
 }
-METHODS = ("none", *DRAFTERS, *TRAINED)
+# training-free methods that read the target's tokenizer: method name -> factory of a TextCodec
+TOKENIZER_DRAFTERS: dict[str, Callable[[TextCodec], Drafter]] = {
+    "schema": SchemaDrafter,
+}
+METHODS = ("none", *DRAFTERS, *TOKENIZER_DRAFTERS, *TRAINED)
 
 
 def make_drafter(method: str, target: DecoderModel | None = None, target_name: str = "",
-                 drafter_path: Path | None = None, ngram: NgramConfig | None = None) -> Drafter | None:
+                 drafter_path: Path | None = None, ngram: NgramConfig | None = None,
+                 tokenizer: object | None = None) -> Drafter | None:
     """The drafter of `method`. Trained methods load `drafter_path`, or the drafter shipped for the preset
-    `target_name`, around the target's embedding and head; `ngram` sets the n-gram drafter's sizes."""
+    `target_name`, around the target's embedding and head; `ngram` sets the n-gram drafter's sizes;
+    `tokenizer` (the target's transformers tokenizer) is what schema drafting writes with."""
     if method == "none":
         return None
     if method == "ngram":
         return NgramDrafter(ngram)
+    if method in TOKENIZER_DRAFTERS:
+        if tokenizer is None:
+            raise ValueError(f"method {method} needs the target's tokenizer")
+        return TOKENIZER_DRAFTERS[method](HFTextCodec(tokenizer))
     if method in DRAFTERS:
         return DRAFTERS[method]()
     if method not in TRAINED:
@@ -55,5 +68,6 @@ def default_k(drafter: Drafter | None, k: int | None) -> int:
     return getattr(getattr(drafter, "model", None), "num_drafts", 5)
 
 
-__all__ = ["DRAFTERS", "METHODS", "Draft", "Drafter", "DrafterLoadError", "HiddenRows", "NgramConfig",
-           "SequenceView", "SuffixConfig", "default_k", "make_drafter"]
+__all__ = ["DRAFTERS", "METHODS", "TOKENIZER_DRAFTERS", "Draft", "Drafter", "DrafterLoadError", "HFTextCodec",
+           "HiddenRows", "NgramConfig", "SchemaConfig", "SequenceView", "SuffixConfig", "TextCodec", "default_k",
+           "make_drafter"]

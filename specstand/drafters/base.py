@@ -23,6 +23,8 @@ class SequenceView:
     token_ids: list[int]  # prompt + every emitted token (the last one not yet in the target cache)
     prompt_len: int
     temperature: float = 0.0  # the request's sampling temperature (0: greedy), for drafters that sample
+    tools: list[dict] | None = None  # the functions offered (OpenAI tools), for drafters that follow their schemas
+    response_format: dict | None = None  # the request's response format (json_object / json_schema), likewise
 
     @property
     def output_ids(self) -> list[int]:

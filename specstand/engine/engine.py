@@ -354,7 +354,7 @@ class Engine:
             state = _Running(
                 request=request,
                 seq=SequenceView(request_id, list(request.prompt_ids), len(request.prompt_ids),
-                                 request.sampling.temperature),
+                                 request.sampling.temperature, request.tools, request.response_format),
                 slot=slot,
                 generator=torch.Generator().manual_seed(seed),
                 stats=DecodeStats(cached_prompt_tokens=reused),

@@ -14,6 +14,10 @@ class Request:
     max_tokens: int
     sampling: SamplingParams = field(default_factory=SamplingParams)
     stop_token_ids: frozenset[int] = frozenset()
+    # what the answer's structure follows (drafters read them; nothing constrains decoding): the functions
+    # offered, as OpenAI tools, and the response format asked for
+    tools: list[dict] | None = None
+    response_format: dict | None = None
 
     def __post_init__(self) -> None:
         if not self.prompt_ids:

@@ -34,7 +34,7 @@ class ServerConfig:
 def build_server(model: LoadedModel, config: ServerConfig):
     """The FastAPI app and its engine worker (started); stop the worker when done."""
     drafter = make_drafter(config.method, model.decoder, config.target_name or model.name, config.drafter_path,
-                           config.ngram)
+                           config.ngram, model.tokenizer)
     k = default_k(drafter, config.num_speculative_tokens)
     engine = Engine(model.decoder, drafter, EngineConfig(k, model.max_positions, config.max_batch,
                                                          adaptive=config.adaptive))

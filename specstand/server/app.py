@@ -311,7 +311,7 @@ def create_app(model: LoadedModel, worker: EngineWorker, served_name: str, limit
         tools = body.tools if body.tool_choice != "none" else None
         prompt_ids = await tokenize(model.encode_messages, messages, tools=tools)
         parsing = ToolParsing(tool_call_parser, offered_tool_names(tools)) if tool_call_parser and tools else None
-        return await _complete(body, prompt_ids, http, chat=True, parsing=parsing)
+        return await _complete(body, prompt_ids, http, chat=True, parsing=parsing, tools=tools)
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, http: HttpRequest) -> Response:
@@ -333,7 +333,7 @@ def create_app(model: LoadedModel, worker: EngineWorker, served_name: str, limit
         if _prompt_chars(body) > limits.max_prompt_chars:
             raise _Refused(400, f"the prompt is over {limits.max_prompt_chars} characters", "messages")
 
-    def _request(body: _Sampling, prompt_ids: list[int]) -> Request:
+    def _request(body: _Sampling, prompt_ids: list[int], tools: list[dict] | None) -> Request:
         room = worker.engine.runner.capacity - len(prompt_ids) - worker.engine.width + 1
         if room <= 0:
             raise _Refused(400, f"the prompt ({len(prompt_ids)} tokens) fills the context of "
@@ -344,13 +344,13 @@ def create_app(model: LoadedModel, worker: EngineWorker, served_name: str, limit
         seed = None if body.seed is None else body.seed % 2**64
         try:
             return Request(prompt_ids, max_tokens, SamplingParams(temperature, body.top_p, max(body.top_k, 0), seed),
-                           model.stop_token_ids)
+                           model.stop_token_ids, tools, body.response_format)
         except ValueError as error:
             raise _Refused(400, str(error)) from None
 
     async def _complete(body: _Sampling, prompt_ids: list[int], http: HttpRequest, chat: bool,
-                        parsing: ToolParsing | None = None) -> Response:
-        request = _request(body, prompt_ids)
+                        parsing: ToolParsing | None = None, tools: list[dict] | None = None) -> Response:
+        request = _request(body, prompt_ids, tools)  # the tools offered, which schema drafting follows
         try:
             ticket, events = worker.submit(request)
         except ValueError as error:

@@ -112,6 +112,7 @@ class _Job:
     prompt_ids: list[int]
     max_tokens: int
     sampling: SamplingParams
+    tools: list[dict] | None = None  # the call's tools, for a drafter that follows their schemas
 
 
 def generate_rows(model: LoadedModel, turns: list[Turn], heldout: float, sampling: SamplingParams,
@@ -136,7 +137,7 @@ def generate_rows(model: LoadedModel, turns: list[Turn], heldout: float, samplin
             continue  # the prompt alone fills the context
         params = sampling if sampling.greedy else replace(
             sampling, seed=call_seed(sampling.seed or 0, turn.turn_id, call.id, sample))
-        jobs.append(_Job(turn.turn_id, call.id, sample, ids, max_tokens, params))
+        jobs.append(_Job(turn.turn_id, call.id, sample, ids, max_tokens, params, call.tools))
     answers = (_answer_remotely(endpoint, jobs, max_batch) if endpoint else
                _answer_locally(model, jobs, drafter, k, max_batch, max_seq_len))
     with tqdm(total=len(jobs) + len(rows), initial=len(rows), desc="answering", unit="call") as bar:
@@ -154,7 +155,8 @@ def generate_rows(model: LoadedModel, turns: list[Turn], heldout: float, samplin
 def _answer_locally(model: LoadedModel, jobs: list[_Job], drafter: Drafter | None, k: int, max_batch: int,
                     max_seq_len: int) -> Iterator[tuple[_Job, list[int]]]:
     engine = Engine(model.decoder, drafter, EngineConfig(k if drafter is not None else 0, max_seq_len, max_batch))
-    pending = {engine.add_request(Request(job.prompt_ids, job.max_tokens, job.sampling, model.stop_token_ids)): job
+    pending = {engine.add_request(Request(job.prompt_ids, job.max_tokens, job.sampling, model.stop_token_ids,
+                                          job.tools)): job
                for job in jobs}
     while engine.has_work:
         for event in engine.step():

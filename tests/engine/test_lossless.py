@@ -6,10 +6,22 @@ import pytest
 import torch
 
 from specstand.drafters import DRAFTERS, Draft, Drafter, SequenceView, make_drafter
+from specstand.drafters.schema import SchemaDrafter
 from specstand.engine import Engine, EngineConfig, Request
 from specstand.engine import engine as engine_module
 from specstand.runner.transformer import DecoderModel
-from tests.conftest import DTYPES, FAMILIES, FORWARDS, KERNEL_PATHS, random_prompts, tiny_decoder, tiny_hf_model
+from tests.conftest import (
+    DTYPES,
+    FAMILIES,
+    FORWARDS,
+    KERNEL_PATHS,
+    VOCAB,
+    FixedCost,
+    random_prompts,
+    tiny_decoder,
+    tiny_hf_model,
+)
+from tests.drafters.schema_fixtures import CFB_TOOLS, NESTFUL_TOOLS, OLD_STYLE_TOOLS, json_piece_codec
 
 K = 5
 # (dtype, forward): fp32 runs the Python forward; bf16 runs it and every kernel path this CPU has; q8_0
@@ -70,6 +82,50 @@ def assert_every_drafter_answers_as_plain_decoding(model, prompts: list[list[int
         results = _engine(model, make_drafter(method), max_batch=3).generate([Request(p, 48) for p in prompts])
         assert [r.output_ids for r in results] == baseline, method
         assert sum(r.stats.accepted_tokens for r in results) > 0, f"{method} never had a draft accepted"
+
+
+class CountingSchemaDrafter(SchemaDrafter):
+    """Counts the drafts that began with forced text."""
+
+    forced_drafts = 0
+
+    def _forced_tokens(self, seq: SequenceView, drafted: list[int] | None = None) -> list[int]:
+        tokens = super()._forced_tokens(seq, drafted)
+        self.forced_drafts += bool(tokens) and not drafted
+        return tokens
+
+
+def tool_call_requests(max_tokens: int = 48) -> list[Request]:
+    """Random prompts offering tools, and one that writes its tools list into the prompt as older workloads
+    did, over json_piece_codec's vocabulary (whose pieces make random answers full of braces and keys)."""
+    codec = json_piece_codec(VOCAB)
+    prompts = random_prompts(8, 40, seed=8, alphabet=VOCAB - 6)
+    requests = [Request(p, max_tokens, tools=CFB_TOOLS if i % 2 else NESTFUL_TOOLS) for i, p in enumerate(prompts)]
+    return requests + [Request(codec.encode(OLD_STYLE_TOOLS) + prompts[0], max_tokens)]
+
+
+def assert_schema_drafting_answers_as_plain_decoding(model, adaptive: bool = False) -> int:
+    """Schema drafting, 3 requests at a time (adaptive verification on or off): the greedy answers of plain
+    decoding, with drafts accepted. Returns how many drafts began with forced text (a random target leaves
+    the schema at once, so they are mostly wrong)."""
+    requests = tool_call_requests()
+    baseline = _outputs(_engine(model, None), [r.prompt_ids for r in requests])
+    drafter = CountingSchemaDrafter(json_piece_codec(VOCAB))
+    config = EngineConfig(num_speculative_tokens=K, max_seq_len=512, max_batch=3, adaptive=adaptive)
+    results = Engine(model, drafter, config).generate(requests)
+    assert [r.output_ids for r in results] == baseline
+    assert sum(r.stats.accepted_tokens for r in results) > 0
+    return drafter.forced_drafts
+
+
+@pytest.mark.parametrize("adaptive", [False, True])
+@pytest.mark.parametrize(("dtype", "forward"), [NUMERICS[0], NUMERICS[-1]])  # fp32 Python, the best kernels
+def test_schema_drafting_is_token_identical_to_plain_greedy(dtype, forward, adaptive, monkeypatch):
+    # rows priced nearly free under adaptive verification: drafts are kept, so verification is exercised
+    monkeypatch.setattr(engine_module, "profile_pass_cost", lambda *profile_args: FixedCost([1, 64], [1.0, 1.1]))
+    forced = sum(assert_schema_drafting_answers_as_plain_decoding(target(family, dtype, forward), adaptive)
+                 for family in FAMILIES)
+    assert forced >= 10
 
 
 @pytest.mark.parametrize("forward", [FORWARDS[0], FORWARDS[-1]])  # the Python forward and the best kernels

@@ -22,7 +22,12 @@ from tests.conftest import (
     random_prompts,
     tiny_hybrid,
 )
-from tests.engine.test_lossless import K, ScriptedDrafter, assert_every_drafter_answers_as_plain_decoding
+from tests.engine.test_lossless import (
+    K,
+    ScriptedDrafter,
+    assert_every_drafter_answers_as_plain_decoding,
+    assert_schema_drafting_answers_as_plain_decoding,
+)
 from tests.engine.test_sampling import PARAMS, assert_follows_the_joint_law, exact_joint, likeliest_second_drafter
 
 
@@ -56,6 +61,14 @@ def test_every_drafter_is_token_identical_to_plain_greedy(family, dtype, forward
              else tiny_hybrid(family, DTYPES[dtype], forward=forward))
     assert_every_drafter_answers_as_plain_decoding(model,
                                                    random_prompts(6, 40, seed=3))
+
+
+@pytest.mark.parametrize("adaptive", [False, True])
+def test_schema_drafting_is_token_identical_to_plain_greedy(adaptive, monkeypatch):
+    monkeypatch.setattr(engine_module, "profile_pass_cost", lambda *profile_args: FixedCost([1, 64], [1.0, 1.1]))
+    forced = sum(assert_schema_drafting_answers_as_plain_decoding(tiny_hybrid(family), adaptive)
+                 for family in HYBRID_FAMILIES)
+    assert forced >= 10
 
 
 @pytest.mark.parametrize("family", HYBRID_FAMILIES)

@@ -261,3 +261,26 @@ def test_completions_take_token_ids_as_the_prompt(server, tiny_model_dir):
     assert ids["specstand"]["token_ids"] == text["specstand"]["token_ids"]
     bad = httpx.post(server.url + "/v1/completions", json={"model": served, "prompt": [3, 10_000]}, timeout=30)
     assert bad.status_code == 400 and "token ids" in bad.json()["error"]["message"]
+
+
+def test_schema_drafting_reads_the_tools_a_chat_request_offers(tiny_model_dir):
+    live = LiveServer(tiny_model_dir, "fp32", method="schema", max_batch=2)
+    try:
+        drafter, offered = live.worker.engine.drafter, []
+        begin = drafter.begin
+
+        def recording_begin(seq) -> None:
+            offered.append(seq.tools)
+            begin(seq)
+
+        drafter.begin = recording_begin
+        tools = [{"type": "function", "function": {"name": "lookup", "parameters": {
+            "type": "object", "properties": {"q": {"type": "string"}}, "required": ["q"]}}}]
+        ask = {"model": live.client.models.list().data[0].id, "max_tokens": 4, "temperature": 0,
+               "messages": [{"role": "user", "content": "w3 w4 w5"}]}
+        plain = live.client.chat.completions.create(**ask).choices[0].message.content
+        assert live.client.chat.completions.create(**ask, tools=tools).choices[0].message.content == plain
+        live.client.chat.completions.create(**ask, tools=tools, tool_choice="none")  # tools not offered
+        assert offered == [None, tools, None]
+    finally:
+        live.close()

@@ -70,6 +70,23 @@ def test_a_drafter_changes_no_answer(tiny_target, tmp_path):
     assert drafted == plain
 
 
+def test_schema_drafting_reads_each_calls_tools(tiny_target, tmp_path):
+    turns = tiny_turns(2)
+    tools = [{"type": "function", "function": {"name": "w5", "parameters": {"type": "object"}}}]
+    turns[1].calls[0].tools = tools
+    drafter, offered = make_drafter("schema", tokenizer=tiny_target.tokenizer), []
+    begin = drafter.begin
+
+    def recording_begin(seq) -> None:
+        offered.append(seq.tools)
+        begin(seq)
+
+    drafter.begin = recording_begin
+    plain = generate_rows(tiny_target, turns, 0.0, GREEDY, 2, 512)
+    assert generate_rows(tiny_target, turns, 0.0, GREEDY, 2, 512, drafter, 5) == plain
+    assert offered == [None, tools]
+
+
 def test_resuming_another_configuration_is_refused(tiny_model_dir, tmp_path, capsys):
     workload = tmp_path / "w.jsonl"
     save_workload(tiny_turns(4), workload)

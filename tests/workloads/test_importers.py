@@ -1,7 +1,10 @@
 import json
 import zipfile
 
-from specstand.workloads.importers import DATASETS, import_spec_bench, import_tool_calls
+import jsonschema
+
+from specstand.workloads.importers import DATASETS, import_spec_bench, import_tool_calls, openai_tool
+from tests.drafters.schema_fixtures import COMPLEXFUNCBENCH_SPECS, NESTFUL_ANSWERS, NESTFUL_SPECS
 
 TASK = {
     "input": "Find a car near the hotel and compare two days.",
@@ -38,13 +41,44 @@ def test_tool_call_tasks_become_turns_with_dependencies(tmp_path):
     assert all(c.expect_json for c in calls)
     assert calls[0].max_tokens == len('{"name": "Search_Location", "arguments": {"query": "Hotel"}}') // 2 + 32
     assert calls[1].max_tokens == 64  # the cap
-    # step 2 sees the query, the tools, and earlier calls with their (truncated) results
+    # step 2 is offered the task's functions as tools, and sees the query and earlier calls with their
+    # (truncated) results
+    assert [t["function"]["name"] for t in calls[3].tools] == ["Search_Location", "Search_Cars", "Weather"]
+    assert calls[3].tools[0]["function"]["parameters"] == {"type": "object", "required": ["q"],
+                                                           "properties": {"q": {"type": "string"}}}
     messages = calls[3].messages
-    assert messages[0]["role"] == "system" and "Search_Cars" in messages[0]["content"]
+    assert messages[0]["role"] == "system" and "Search_Cars" not in messages[0]["content"]
     assert messages[1]["content"] == TASK["input"]
     assert len(messages) == 2 + 2 * 3 and "(truncated)" in messages[-1]["content"]
     expected = {"name": "Search_Cars", "arguments": TASK["output"][1]["arguments"]}
     assert json.loads(calls[1].recorded["answer"]) == expected
+
+
+def test_real_function_specs_become_openai_tools():
+    spec = NESTFUL_SPECS[1]
+    tool = openai_tool(spec)
+    assert tool["type"] == "function" and tool["function"]["name"] == "SkyScrapperFlightSearch"
+    parameters = tool["function"]["parameters"]
+    assert list(parameters["properties"]) == list(spec["query_parameters"])  # their order kept
+    assert parameters["required"] == ["originSkyId", "destinationSkyId", "originEntityId", "destinationEntityId",
+                                      "date"]
+    assert parameters["properties"]["cabinClass"]["enum"] == ["economy", "premium_economy", "business", "first"]
+    jsonschema.Draft202012Validator.check_schema(parameters)
+    jsonschema.validate(NESTFUL_ANSWERS[1]["arguments"], parameters)
+    # ComplexFuncBench's empty enums and null defaults are left out
+    hotels = openai_tool(COMPLEXFUNCBENCH_SPECS[1])["function"]["parameters"]["properties"]
+    assert hotels["adults"] == {"type": "number", "description": "The number of adults."}
+    assert openai_tool({"name": "d", "query_parameters": {"day": {"type": "Date (yyyy-mm-dd)"}}})[
+        "function"]["parameters"]["properties"]["day"] == {"type": "string"}
+
+
+def test_a_call_over_the_prompt_limit_counts_its_tools(tmp_path):
+    wheel = _wheel(tmp_path)
+    calls = import_tool_calls("complexfuncbench", wheel, None, 100, 10_000, 64)[0].calls
+    tools = len(json.dumps(calls[0].tools))
+    longest = max(sum(len(m["content"]) for m in call.messages) for call in calls)
+    assert len(import_tool_calls("complexfuncbench", wheel, None, 100, longest + tools, 64)) == 2
+    assert import_tool_calls("complexfuncbench", wheel, None, 100, longest + tools - 1, 64) == []
 
 
 def test_limits(tmp_path):

@@ -1,0 +1,545 @@
+"""What an agent's answer must write next, given the tools and response format of its request.
+
+`AnswerReader` follows an answer's text character by character: prose, then a tool call written as a bare
+JSON object, inside a ```json fence or inside <tool_call> tags (or the JSON a response format asks for). In
+the JSON it keeps a stack of the open containers and strings, each with the JSON Schema it should follow.
+`forced_text` chains the steps that leave no choice while the answer keeps to the schema: punctuation,
+required keys in schema order (`"name"`, then `"arguments"`, then the function's parameters), the rest of a
+key, function name or enum value once its prefix is unique, `true`/`false`/`null` after their first letter,
+closing braces, the wrapper's closing. Whitespace follows what the answer has written so far (json.dumps'
+`", "` and `": "` until then). Text that leaves the schema stops the reading until the next JSON opens.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from dataclasses import dataclass, field, replace
+
+TAG_OPEN, TAG_CLOSE = "<tool_call>", "</tool_call>"
+FENCE_OPEN, FENCE_CLOSE = "```json", "```"
+KEYWORDS = ("true", "false", "null")
+_SCALAR_CHARS = frozenset("0123456789+-.eEtrufalsn")
+_CLOSERS = {"tag": "\n" + TAG_CLOSE, "fence": "\n" + FENCE_CLOSE, "bare": ""}
+_ARGUMENT_KEYS = ("arguments", "parameters")  # what tool-call objects name a function's arguments
+
+
+@dataclass(frozen=True)
+class AnswerStructure:
+    """What a request fixes about its answer: the offered functions (name -> JSON Schema of their
+    parameters) and the schema a response format asks for (None: no response format)."""
+
+    functions: dict[str, dict]
+    response_schema: dict | None = None
+
+    def root(self) -> tuple[dict, dict[str, dict] | None]:
+        """The schema of the answer's JSON object, and the functions whose arguments it carries (a call)."""
+        if self.functions:
+            call = {"type": "object", "required": ["name", "arguments"],
+                    "properties": {"name": {"type": "string", "enum": list(self.functions)},
+                                   "arguments": {"type": "object"}}}
+            return call, self.functions
+        return self.response_schema or {"type": "object"}, None
+
+
+def answer_structure(tools: list | None, response_format: dict | None,
+                     prompt_text: str = "") -> AnswerStructure | None:
+    """The structure of a request's answer: from its `tools` (OpenAI form), else a tools list written in
+    its prompt (older workloads pasted it into the system prompt), and its `response_format`."""
+    functions = functions_of(tools) if tools else functions_of(tools_in_text(prompt_text))
+    response_schema = _response_schema(response_format)
+    if not functions and response_schema is None:
+        return None
+    return AnswerStructure(functions, response_schema)
+
+
+def functions_of(tools: list | None) -> dict[str, dict]:
+    """Function name -> parameters schema, from OpenAI tools or bare {name, parameters} entries."""
+    functions: dict[str, dict] = {}
+    for tool in tools or []:
+        if not isinstance(tool, dict):
+            continue
+        function = tool.get("function", tool)
+        if isinstance(function, dict) and isinstance(function.get("name"), str):
+            functions[function["name"]] = _parameters_schema(function.get("parameters"))
+    return functions
+
+
+def _parameters_schema(parameters: object) -> dict:
+    """A JSON Schema object; the importers' older summary {param: {"type", "required": bool}} is turned into
+    one (its parameter order kept)."""
+    if not isinstance(parameters, dict):
+        return {"type": "object"}
+    if parameters.get("type") == "object" or "properties" in parameters:
+        return parameters
+    properties = {name: {k: v for k, v in spec.items() if k != "required"}
+                  for name, spec in parameters.items() if isinstance(spec, dict)}
+    required = [name for name, spec in parameters.items() if isinstance(spec, dict) and spec.get("required") is True]
+    return {"type": "object", "properties": properties, "required": required}
+
+
+def tools_in_text(text: str) -> list[dict] | None:
+    """A tools list written in a prompt: the first JSON array of objects that have a name (or a function
+    with one), else the one-object-a-line list of a chat template's <tools> block."""
+    decoder = json.JSONDecoder()
+    for start in _occurrences(text, "[{"):
+        try:
+            value, _ = decoder.raw_decode(text, start)
+        except json.JSONDecodeError:
+            continue
+        if isinstance(value, list) and functions_of(value):
+            return value
+    begin, end = text.find("<tools>"), text.find("</tools>")
+    if 0 <= begin < end:
+        tools = []
+        for line in text[begin + len("<tools>") : end].splitlines():
+            try:
+                tools.append(json.loads(line))
+            except json.JSONDecodeError:
+                continue
+        return tools or None
+    return None
+
+
+def _occurrences(text: str, needle: str) -> Iterator[int]:
+    at = text.find(needle)
+    while at >= 0:
+        yield at
+        at = text.find(needle, at + 1)
+
+
+def _response_schema(response_format: dict | None) -> dict | None:
+    kind = (response_format or {}).get("type")
+    if kind == "json_object":
+        return {"type": "object"}
+    if kind == "json_schema":
+        schema = (response_format.get("json_schema") or {}).get("schema")
+        return schema if isinstance(schema, dict) else {"type": "object"}
+    return None
+
+
+def _enum(schema: dict) -> list | None:
+    if "const" in schema:
+        return [schema["const"]]
+    values = schema.get("enum")
+    return values if isinstance(values, list) and values else None
+
+
+def _opener(schema: dict) -> str:
+    """The text a value of `schema` must start with ("" where its type leaves a choice)."""
+    values = _enum(schema)
+    if values is not None:
+        return '"' if all(isinstance(v, str) for v in values) else ""
+    kind = schema.get("type")
+    return {"string": '"', "object": "{", "array": "[", "null": "null"}.get(kind, "") if isinstance(kind, str) else ""
+
+
+def _completion(prefix: str, candidates: list[str]) -> str:
+    """What every candidate that starts with `prefix` writes next: the rest and its closing quote where one
+    candidate is left, else their common continuation."""
+    matching = [c for c in candidates if c.startswith(prefix)]
+    if not matching:
+        return ""
+    if len(matching) == 1:
+        return matching[0][len(prefix) :] + '"'
+    shortest, longest = min(matching), max(matching)
+    common = next((i for i, (a, b) in enumerate(zip(shortest, longest, strict=False)) if a != b), len(shortest))
+    return shortest[len(prefix) : common]
+
+
+@dataclass
+class _Style:
+    """Whitespace after ':' and ',', after '{'/'[' and before '}'/']': json.dumps' until the answer shows its
+    own (None: it varies, as indentation does)."""
+
+    colon: str | None = " "
+    comma: str | None = " "
+    open: str | None = ""
+    close: str | None = ""
+    learned: frozenset[str] = frozenset()
+
+    def learn(self, kind: str, gap: str) -> None:
+        if kind not in self.learned:
+            setattr(self, kind, None if "\n" in gap else gap)
+            self.learned = self.learned | {kind}
+            if kind == "colon" and "comma" not in self.learned:
+                self.comma = self.colon  # json.dumps writes both with a space, or (compact) neither
+
+    def rest(self, kind: str, gap: str) -> str | None:
+        """The whitespace still to come after `gap` was written, or None where unknown."""
+        expected = getattr(self, kind)
+        if expected is None or not expected.startswith(gap):
+            return None
+        return expected[len(gap) :]
+
+
+@dataclass
+class _Object:
+    schema: dict
+    functions: dict[str, dict] | None = None  # a tool call's object: its arguments follow the named function
+    keys: list[str] = field(default_factory=list)
+    strings: dict[str, str] = field(default_factory=dict)  # string values written so far, by key
+    phase: str = "open"  # open (after '{'), key (after ','), colon, value (after ':'), next (after a value)
+    gap: str = ""  # whitespace since the last structural character
+
+    def properties(self) -> dict:
+        properties = self.schema.get("properties")
+        return properties if isinstance(properties, dict) else {}
+
+    def unwritten(self) -> list[str]:
+        return [key for key in self.properties() if key not in self.keys]
+
+    def next_required(self) -> str | None:
+        required = self.schema.get("required") or []
+        return next((key for key in self.unwritten() if key in required), None)
+
+    def value_schema(self) -> dict:
+        key = self.keys[-1]
+        if self.functions is not None and key in _ARGUMENT_KEYS:
+            return self.functions.get(self.strings.get("name", ""), {"type": "object"})
+        schema = self.properties().get(key, {})
+        return schema if isinstance(schema, dict) else {}
+
+    def copy(self) -> _Object:
+        return replace(self, keys=list(self.keys), strings=dict(self.strings))
+
+
+@dataclass
+class _Array:
+    schema: dict
+    count: int = 0
+    phase: str = "open"  # open (after '['), value (after ','), next (after a value)
+    gap: str = ""
+
+    def items(self) -> dict:
+        items = self.schema.get("items")
+        return items if isinstance(items, dict) else {}
+
+    def copy(self) -> _Array:
+        return replace(self)
+
+
+@dataclass
+class _String:
+    schema: dict
+    is_key: bool
+    text: str = ""
+    escaped: bool = False
+
+    def copy(self) -> _String:
+        return replace(self)
+
+
+@dataclass
+class _Scalar:
+    """A number or keyword being written."""
+
+    schema: dict
+    text: str
+
+    def copy(self) -> _Scalar:
+        return replace(self)
+
+
+_Frame = _Object | _Array | _String | _Scalar
+
+
+class AnswerReader:
+    """Follows an answer's text; `forced_step` says what must come next while it keeps to the structure."""
+
+    def __init__(self, structure: AnswerStructure) -> None:
+        self.structure = structure
+        self.mode = "prose"  # prose, opening (a wrapper opened, its '{' to come), json, closing (the wrapper's)
+        self.wrapper = "bare"  # tag, fence or bare
+        self.line = ""  # prose: the current line so far
+        self.pending = ""  # opening: whitespace since the wrapper's opener; closing: the closer read so far
+        self.stack: list[_Frame] = []
+        self.style = _Style()
+        self.ended = False  # the last character read closed a call (or the JSON the answer was to write)
+
+    def clone(self) -> AnswerReader:
+        other = AnswerReader(self.structure)
+        other.mode, other.wrapper, other.line, other.pending = self.mode, self.wrapper, self.line, self.pending
+        other.ended = self.ended
+        other.stack = [frame.copy() for frame in self.stack]
+        other.style = replace(self.style)
+        return other
+
+    def feed(self, text: str) -> None:
+        for char in text:
+            self._read(char)
+
+    # reading
+
+    def _read(self, char: str) -> None:
+        self.ended = False
+        if self.mode == "json":
+            if not self._read_json(char):
+                self._to_prose()  # the answer left the schema: wait for the next JSON to open
+            elif not self.stack:
+                self.mode, self.pending = "closing", ""
+                if not _CLOSERS[self.wrapper]:
+                    self._to_prose()
+                    self.ended = True
+        elif self.mode == "prose":
+            self._read_prose(char)
+        elif self.mode == "opening":
+            if char.isspace():
+                self.pending += char
+            elif char == "{":
+                self._open_root()
+            else:
+                self._to_prose()
+                self._read_prose(char)
+        else:  # closing
+            closer = _CLOSERS[self.wrapper]
+            if closer.startswith(self.pending + char):
+                self.pending += char
+                if self.pending == closer:
+                    self._to_prose()
+                    self.ended = True
+            else:
+                self._to_prose()
+                self._read_prose(char)
+
+    def _read_prose(self, char: str) -> None:
+        if char == "{":  # an agent's answer opens braces for its call only
+            self.wrapper = "bare"
+            self._open_root()
+        elif char == "\n":
+            fence = self.line.strip() == FENCE_OPEN
+            self.line = ""
+            if fence:
+                self.mode, self.wrapper, self.pending = "opening", "fence", ""
+        else:
+            self.line += char
+            if self.line.endswith(TAG_OPEN):
+                self.mode, self.wrapper, self.pending = "opening", "tag", ""
+
+    def _to_prose(self) -> None:
+        self.mode, self.line, self.stack = "prose", "", []
+
+    def _open_root(self) -> None:
+        schema, functions = self.structure.root()
+        self.mode = "json"
+        self.stack = [_Object(schema, functions)]
+
+    def _read_json(self, char: str) -> bool:
+        """Read one character of the JSON; False where it cannot follow what was written."""
+        frame = self.stack[-1]
+        if isinstance(frame, _String):
+            return self._read_string(frame, char)
+        if isinstance(frame, _Scalar):
+            if char in _SCALAR_CHARS:
+                frame.text += char
+                if not any(k.startswith(frame.text) for k in KEYWORDS) and not _number_prefix(frame.text):
+                    return False
+                if frame.text in KEYWORDS:
+                    self._value_done()
+                return True
+            if frame.text[0] in "tfn" or frame.text in ("-", ""):  # an unfinished keyword or sign
+                return False
+            self._value_done()
+            return self._read_json(char)
+        if char.isspace():
+            frame.gap += char
+            return True
+        if isinstance(frame, _Object):
+            return self._read_object(frame, char)
+        return self._read_array(frame, char)
+
+    def _read_string(self, frame: _String, char: str) -> bool:
+        if frame.escaped:
+            frame.text, frame.escaped = frame.text + char, False
+        elif char == "\\":
+            frame.text, frame.escaped = frame.text + char, True
+        elif char == '"':
+            self.stack.pop()
+            parent = self.stack[-1]
+            assert isinstance(parent, _Object | _Array)
+            if frame.is_key:
+                assert isinstance(parent, _Object)
+                parent.keys.append(frame.text)
+                parent.phase, parent.gap = "colon", ""
+            else:
+                if isinstance(parent, _Object):
+                    parent.strings[parent.keys[-1]] = frame.text
+                self._after_value(parent)
+        elif char < " ":  # JSON strings hold no raw control characters
+            return False
+        else:
+            frame.text += char
+        return True
+
+    def _read_object(self, frame: _Object, char: str) -> bool:
+        phase = frame.phase
+        if phase in ("open", "key") and char == '"':
+            self.style.learn("open" if phase == "open" else "comma", frame.gap)
+            self.stack.append(_String({}, is_key=True))
+        elif phase in ("open", "next") and char == "}":
+            self.style.learn("close", frame.gap)
+            self._value_done()
+        elif phase == "colon" and char == ":":
+            frame.phase, frame.gap = "value", ""
+        elif phase == "value":
+            self.style.learn("colon", frame.gap)
+            return self._open_value(frame.value_schema(), char)
+        elif phase == "next" and char == ",":
+            frame.phase, frame.gap = "key", ""
+        else:
+            return False
+        return True
+
+    def _read_array(self, frame: _Array, char: str) -> bool:
+        if frame.phase in ("open", "next") and char == "]":
+            self.style.learn("close", frame.gap)
+            self._value_done()
+        elif frame.phase == "next" and char == ",":
+            frame.phase, frame.gap = "value", ""
+        elif frame.phase in ("open", "value"):
+            self.style.learn("open" if frame.phase == "open" else "comma", frame.gap)
+            return self._open_value(frame.items(), char)
+        else:
+            return False
+        return True
+
+    def _open_value(self, schema: dict, char: str) -> bool:
+        if char == '"':
+            self.stack.append(_String(schema, is_key=False))
+        elif char == "{":
+            self.stack.append(_Object(schema))
+        elif char == "[":
+            self.stack.append(_Array(schema))
+        elif char in "-0123456789tfn":
+            self.stack.append(_Scalar(schema, char))
+        else:
+            return False
+        return True
+
+    def _value_done(self) -> None:
+        """The top frame's value is complete."""
+        self.stack.pop()
+        if self.stack:
+            parent = self.stack[-1]
+            assert isinstance(parent, _Object | _Array)
+            self._after_value(parent)
+
+    @staticmethod
+    def _after_value(parent: _Object | _Array) -> None:
+        parent.phase, parent.gap = "next", ""
+        if isinstance(parent, _Array):
+            parent.count += 1
+
+    # what comes next
+
+    def forced_step(self) -> str:
+        """Text that must follow while the answer keeps to the structure ("" where it has a choice)."""
+        if self.mode == "prose":
+            if self.ended:
+                return ""
+            started = next((i for i in range(len(TAG_OPEN) - 1, 2, -1) if self.line.endswith(TAG_OPEN[:i])), 0)
+            if started:
+                return TAG_OPEN[started:]
+            line = self.line.strip()
+            if len(line) > len(FENCE_CLOSE) and FENCE_OPEN.startswith(line):  # "```" alone may open any fence
+                return FENCE_OPEN[len(line) :] + "\n"
+            return ""
+        if self.mode == "opening":
+            return ("\n" if self.wrapper == "tag" and not self.pending else "") + "{"
+        if self.mode == "closing":
+            return _CLOSERS[self.wrapper][len(self.pending) :]
+        return self._forced_json()
+
+    def _forced_json(self) -> str:
+        frame = self.stack[-1]
+        if isinstance(frame, _String):
+            if frame.is_key:
+                parent = self.stack[-2]
+                assert isinstance(parent, _Object)
+                guess = parent.next_required() if not frame.text else None
+                return guess + '"' if guess is not None else _completion(frame.text, parent.unwritten())
+            values = _enum(frame.schema)
+            return _completion(frame.text, [v for v in values if isinstance(v, str)]) if values else ""
+        if isinstance(frame, _Scalar):
+            return next((k[len(frame.text) :] for k in KEYWORDS if k.startswith(frame.text)), "")
+        if isinstance(frame, _Object):
+            return self._forced_in_object(frame)
+        return self._forced_in_array(frame)
+
+    def _forced_in_object(self, frame: _Object) -> str:
+        if frame.phase == "colon":
+            return ":"
+        if frame.phase == "value":
+            return self._then(self.style.rest("colon", frame.gap), _opener(frame.value_schema()))
+        if frame.phase == "key":
+            return self._then(self.style.rest("comma", frame.gap), '"')
+        if frame.phase == "open":
+            return self._then(self.style.rest("open", frame.gap), '"') if frame.next_required() else ""
+        # next: a required key still to write, or every known key written
+        if frame.next_required() is not None:
+            return ","
+        if frame.properties() and not frame.unwritten():
+            return self._then(self.style.rest("close", frame.gap), "}")
+        return ""
+
+    def _forced_in_array(self, frame: _Array) -> str:
+        if frame.phase == "value":
+            return self._then(self.style.rest("comma", frame.gap), _opener(frame.items()))
+        if frame.phase == "open":
+            wanted = frame.schema.get("minItems", 0)
+            return self._then(self.style.rest("open", frame.gap), _opener(frame.items())) if wanted else ""
+        most = frame.schema.get("maxItems")
+        return self._then(self.style.rest("close", frame.gap), "]") if most is not None and frame.count >= most else ""
+
+    def followers(self) -> tuple[str, ...] | None:
+        """Every text that may follow where the reader stands, where the structure knows them all: the
+        candidate keys or enum values a string's prefix leaves (each to its closing quote), or the end of
+        the answer (or a newline before another call) after a call closed. None where anything may follow."""
+        if self.ended:
+            return ("", "\n")
+        frame = self.stack[-1] if self.mode == "json" and self.stack else None
+        if not isinstance(frame, _String):
+            return None
+        if frame.is_key:
+            parent = self.stack[-2]
+            assert isinstance(parent, _Object)
+            candidates = parent.unwritten()
+        else:
+            candidates = [v for v in _enum(frame.schema) or [] if isinstance(v, str)]
+        matching = [c[len(frame.text) :] + '"' for c in candidates if c.startswith(frame.text)]
+        return tuple(matching) or None
+
+    @staticmethod
+    def _then(whitespace: str | None, text: str) -> str:
+        """Whitespace then `text`; where the whitespace is unknown, nothing is forced."""
+        return "" if whitespace is None else whitespace + text
+
+
+def _number_prefix(text: str) -> bool:
+    """Whether `text` can begin a JSON number."""
+    try:
+        float(text + ("0" if text[-1] in "-+eE." else ""))
+    except ValueError:
+        return False
+    return text.lstrip("-")[:1].isdigit() or text == "-"
+
+
+@dataclass(frozen=True)
+class Forced:
+    """Text the answer must write next, and what may follow it: every possibility, or None where anything
+    may (then the text's last token may yet merge with what follows)."""
+
+    text: str
+    followers: tuple[str, ...] | None
+
+
+def forced_text(reader: AnswerReader, max_chars: int) -> Forced:
+    """Every forced step from where `reader` stands, chained (about `max_chars` at most)."""
+    probe, text = reader.clone(), ""
+    while len(text) < max_chars:
+        step = probe.forced_step()
+        if not step:
+            break
+        probe.feed(step)
+        text += step
+    return Forced(text, probe.followers())

@@ -1,0 +1,179 @@
+"""Schema drafting: the text a tool call's structure forces, as the target's tokenizer writes it.
+
+Per request, the tools and response format (or a tools list found in the prompt) give an `AnswerReader`
+(json_reader.py) that follows the answer's text. Where the next text is forced (`{"name": "`, the rest of a
+unique function name, `", "arguments": {"`, required keys, enum values, closing braces and tags), the
+drafter drafts its tokens with confidence 1.0; inside free values (strings, numbers) and wherever the text
+has a choice it drafts by suffix decoding over the prompt, the conversation and earlier answers (a composed
+`SuffixDrafter`, whose path probabilities are the confidence). The two take turns within a draft: suffix
+decoding goes on after forced tokens, and its guess gives way where the structure forces other text (past a
+copied value, the schema's next key). Training-free and lossless like every drafter: an answer that leaves the schema
+only makes the forced drafts stop.
+
+Tokens: a BPE token may span the end of the answer so far and the start of the forced text, or the end of
+the forced text and what follows. So the answer's last few tokens are decoded and encoded again with the
+forced text behind them; where the encoding gives back those very tokens, the tokens after them are the
+forced text's, and only those that stay the same whatever character follows the forced text are drafted.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+from typing import Protocol
+
+from specstand.drafters.base import Draft, Drafter, HiddenRows, SequenceView
+from specstand.drafters.json_reader import AnswerReader, Forced, answer_structure, forced_text
+from specstand.drafters.suffix import SuffixConfig, SuffixDrafter
+
+# samples of what may follow forced text where the structure does not say: no token of the text that one of
+# them would change is drafted, nor its last token ("" is the end of the answer)
+SAMPLE_FOLLOWERS = ("", "a", "S", "1", " ", "\n", '"', "'", "{", "}", "[", "]", ",", ":", ".", "-", "_", "$", "<", "`")
+
+
+class TextCodec(Protocol):
+    """The target's tokenizer, as a drafter uses it: text <-> token ids, no special tokens added."""
+
+    def encode(self, text: str) -> list[int]: ...
+
+    def decode(self, token_ids: list[int]) -> str: ...
+
+
+@dataclass(frozen=True)
+class HFTextCodec:
+    """A transformers tokenizer as a `TextCodec` (decoding keeps every character: no space clean-up)."""
+
+    tokenizer: object
+
+    def encode(self, text: str) -> list[int]:
+        return self.tokenizer(text, add_special_tokens=False)["input_ids"]
+
+    def decode(self, token_ids: list[int]) -> str:
+        return self.tokenizer.decode(token_ids, skip_special_tokens=False, clean_up_tokenization_spaces=False)
+
+
+@dataclass(frozen=True)
+class SchemaConfig:
+    suffix: SuffixConfig = field(default_factory=SuffixConfig)
+    tail_tokens: int = 8  # answer tokens encoded again with the forced text (BPE merges reach no further back)
+    max_forced_chars: int = 160  # forced text looked at per draft (far more than K tokens of it)
+
+
+@dataclass
+class _Answer:
+    """One request's reader and the answer text it has read."""
+
+    reader: AnswerReader
+    text: str = ""
+
+    def read(self, text: str) -> AnswerReader:
+        if not text.startswith(self.text):  # decoding changed behind us (a partial UTF-8 character completed)
+            self.reader, self.text = AnswerReader(self.reader.structure), ""
+        self.reader.feed(text[len(self.text) :])
+        self.text = text
+        return self.reader
+
+    def guess(self, text: str) -> AnswerReader | None:
+        """A reader of the answer read so far followed by drafted text (None where their decoding differs)."""
+        if not text.startswith(self.text):
+            return None
+        reader = self.reader.clone()
+        reader.feed(text[len(self.text) :])
+        return reader
+
+
+class SchemaDrafter(Drafter):
+    name = "schema"
+
+    def __init__(self, codec: TextCodec, config: SchemaConfig | None = None) -> None:
+        self.codec = codec
+        self.config = config or SchemaConfig()
+        self.suffix = SuffixDrafter(self.config.suffix)
+        self._answers: dict[int, _Answer] = {}
+
+    def begin(self, seq: SequenceView) -> None:
+        self.suffix.begin(seq)
+        prompt_text = "" if seq.tools else self.codec.decode(seq.token_ids[: seq.prompt_len])
+        structure = answer_structure(seq.tools, seq.response_format, prompt_text)
+        if structure is not None:
+            self._answers[seq.request_id] = _Answer(AnswerReader(structure))
+
+    def propose(self, seq: SequenceView, max_tokens: int) -> Draft:
+        """Forced tokens where the structure forces them, else suffix decoding's guess up to where the
+        structure forces something else, in turns. A token's confidence is the chance that the draft survives
+        to it as suffix statistics tell (forced text does not lower it)."""
+        if max_tokens <= 0:
+            return Draft([])
+        tokens: list[int] = []
+        confidence: list[float] = []
+        survival = 1.0
+        while len(tokens) < max_tokens:
+            forced = self._forced_tokens(seq, tokens)[: max_tokens - len(tokens)]
+            if forced:
+                tokens += forced
+                confidence += [survival] * len(forced)
+                continue
+            view = replace(seq, token_ids=seq.token_ids + tokens)
+            guess = self.suffix.propose(view, max_tokens - len(tokens))
+            kept = self._until_structure(seq, tokens, guess.tokens)
+            tokens += guess.tokens[:kept]
+            confidence += [survival * p for p in (guess.confidence or [])[:kept]]
+            survival = confidence[-1] if confidence else survival
+            if kept == len(guess.tokens):
+                break
+        return Draft(tokens, confidence=confidence)
+
+    def extend(self, seq: SequenceView, new_tokens: list[int], hidden: HiddenRows | None = None) -> None:
+        self.suffix.extend(seq, new_tokens, hidden)
+
+    def end(self, seq: SequenceView) -> None:
+        self.suffix.end(seq)
+        self._answers.pop(seq.request_id, None)
+
+    def _until_structure(self, seq: SequenceView, drafted: list[int], guess: list[int]) -> int:
+        """How many tokens of suffix decoding's `guess` (after `drafted`) to keep: all, or those before the
+        first point where the structure forces a token other than the guess's next (e.g. past a value the
+        guess copied, where the schema's next key follows)."""
+        for kept in range(1, len(guess)):
+            forced = self._forced_tokens(seq, drafted + guess[:kept])
+            if forced and forced[0] != guess[kept]:
+                return kept
+        return len(guess)
+
+    def _forced_tokens(self, seq: SequenceView, drafted: list[int] | None = None) -> list[int]:
+        """The forced tokens after the answer so far and the tokens `drafted` after it in this draft."""
+        answer = self._answers.get(seq.request_id)
+        if answer is None:
+            return []
+        answer_ids = seq.output_ids
+        reader = answer.read(self.codec.decode(answer_ids))
+        if drafted:
+            answer_ids = answer_ids + drafted
+            reader = answer.guess(self.codec.decode(answer_ids))
+            if reader is None:
+                return []
+        forced = forced_text(reader, self.config.max_forced_chars)
+        return continuation_tokens(self.codec, answer_ids, forced, self.config.tail_tokens) if forced.text else []
+
+
+def continuation_tokens(codec: TextCodec, answer_ids: list[int], forced: Forced, tail_tokens: int) -> list[int]:
+    """The tokens the forced text adds after `answer_ids` as `codec` writes them, as far as what follows
+    cannot change them; [] where the answer's own last tokens are not what encoding its text would give
+    (the target split differently there: where its next token starts is not known)."""
+    followers = forced.followers if forced.followers is not None else SAMPLE_FOLLOWERS
+    for n in dict.fromkeys((min(tail_tokens, len(answer_ids)), min(2, len(answer_ids)))):
+        tail = answer_ids[len(answer_ids) - n :]
+        head = codec.decode(tail)
+        encodings = [codec.encode(head + forced.text + follower) for follower in followers]
+        if all(ids[:n] == tail for ids in encodings):
+            stable = _common_prefix([ids[n:] for ids in encodings])
+            # where anything may follow, the forced text's own last token is not drafted either
+            return stable if forced.followers is not None else stable[: len(codec.encode(head + forced.text)) - n - 1]
+    return []
+
+
+def _common_prefix(sequences: list[list[int]]) -> list[int]:
+    first, length = sequences[0], len(sequences[0])
+    for other in sequences[1:]:
+        length = next((i for i, (a, b) in enumerate(zip(first[:length], other, strict=False)) if a != b),
+                      min(length, len(other)))
+    return first[:length]

@@ -1,0 +1,242 @@
+"""Schema drafting: the forced text of each state of an answer, and its tokens as a BPE tokenizer writes them."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from specstand.drafters import METHODS, SequenceView, make_drafter
+from specstand.drafters.json_reader import AnswerReader, Forced, answer_structure, forced_text, tools_in_text
+from specstand.drafters.schema import HFTextCodec, SchemaDrafter, continuation_tokens
+from specstand.engine import Engine, EngineConfig, Request
+from specstand.models.presets import is_fetched, preset_dir
+from specstand.runner.hybrid import HybridModel
+from tests.conftest import VOCAB, tiny_hybrid_hf_model
+from tests.drafters.schema_fixtures import (
+    CFB_ANSWERS,
+    CFB_TOOLS,
+    COMPLEXFUNCBENCH_SPECS,
+    NESTFUL_ANSWERS,
+    NESTFUL_TOOLS,
+    json_bpe_tokenizer,
+    json_piece_codec,
+    teach_tool_calls,
+    tool_call_conversations,
+)
+
+
+def forced_after(text: str, tools: list | None = CFB_TOOLS, response_format: dict | None = None) -> str:
+    reader = AnswerReader(answer_structure(tools, response_format))
+    reader.feed(text)
+    return forced_text(reader, 400).text
+
+
+def test_the_call_object_forces_its_keys_and_a_function_name_once_its_prefix_is_unique():
+    assert forced_after("{") == '"name": "'
+    assert forced_after('{"name": "Search_') == ""  # Search_Car_Location or Search_Hotels
+    assert forced_after('{"name": "Search_C') == 'ar_Location", "arguments": {"query": "'
+    # Search_Hotels' first required parameter in schema order, then its value's opening quote
+    assert forced_after('{"name": "Search_H') == 'otels", "arguments": {"search_type": "'
+    assert forced_after('{"name": "G') == 'et_Room_Availability", "arguments": {"min_date": "'
+
+
+def test_keys_values_and_closings_inside_the_arguments():
+    start = '{"name": "Search_Hotels", "arguments": {"dest_id": 2632, '
+    assert forced_after(start) == '"search_type": "'  # the next required key
+    assert forced_after(start + '"arr') == 'ival_date": "'  # a key's unique prefix
+    assert forced_after(start + '"search_type": "x"') == ', "arrival_date": "'
+    full = start + '"search_type": "x", "arrival_date": "a", "departure_date": "b"'
+    assert forced_after(full) == ""  # optional keys left: ',' or '}'
+    assert forced_after(full + ', "sort_by": "pop') == 'ularity"'  # a unique enum value
+    assert forced_after(full + ', "sort_by": "class_') == ""  # class_descending or class_ascending
+    assert forced_after(full + ', "sort_by": "c') == 'lass_'  # their common part
+    assert forced_after(full + ', "adults": 2') == ""  # a number goes on or ends: free
+    everything = full + ', "adults": 2, "room_qty": 1, "sort_by": "price"'
+    assert forced_after(everything) == "}}"  # every parameter written
+
+
+def test_wrappers_prose_before_the_json_and_the_closing():
+    answer = json.dumps(CFB_ANSWERS[0])
+    assert forced_after("I will look it up.\n```js") == 'on\n{"name": "'
+    assert forced_after("```json\n" + answer) == "\n```"
+    assert forced_after("<tool_call>", NESTFUL_TOOLS) == '\n{"name": "SkyScrapper'
+    assert forced_after("<tool_call>\n" + answer) == "\n</tool_call>"
+    assert forced_after("<tool_call>\n" + answer + "\n</tool") == "_call>"
+    assert forced_after("Sure: <tool_") == 'call>\n{"name": "'
+    assert forced_after(answer) == ""  # a bare object closes the answer's JSON
+    assert forced_after("Let me think") == ""
+
+
+def test_whitespace_follows_what_the_answer_wrote():
+    compact = '{"name":"Search_Car_Location",'
+    assert forced_after(compact) == '"arguments":{"query":"'
+    indented = '{\n  "name": "Search_Car_Location",\n  '
+    assert forced_after(indented) == ""  # more indentation, or the key
+    assert forced_after(indented + '"') == 'arguments": {'  # where the indentation goes next is not known
+
+
+def test_literals_nested_objects_and_arrays():
+    schema = {"type": "object", "required": ["flags", "where"], "properties": {
+        "flags": {"type": "array", "minItems": 1, "maxItems": 2, "items": {"type": "boolean"}},
+        "where": {"type": "object", "required": ["city"], "properties": {"city": {"type": "string"}}},
+        "note": {"type": "null"}}}
+    fmt = {"type": "json_schema", "json_schema": {"name": "s", "schema": schema}}
+    assert forced_after("{", None, fmt) == '"flags": ['
+    assert forced_after('{"flags": [t', None, fmt) == "rue"
+    assert forced_after('{"flags": [true, f', None, fmt) == 'alse], "where": {"city": "'  # maxItems reached
+    assert forced_after('{"flags": [true]', None, fmt) == ', "where": {"city": "'
+    assert forced_after('{"flags": [true], "where": {"city": "Paris"', None, fmt) == "}"
+    assert forced_after('{"flags": [true], "where": {"city": "Paris"}, "n', None, fmt) == 'ote": null}'
+    assert forced_after("{", None, {"type": "json_object"}) == ""  # any object: no key is known
+
+
+def test_an_answer_that_leaves_the_schema_is_read_as_prose_until_the_next_json():
+    assert forced_after('{"name": 5') == ""
+    assert forced_after('{"name": 5 then {') == '"name": "'
+    assert forced_after('{"name": "Search_Car_Location" "') == ""
+
+
+def test_tools_written_in_a_prompt():
+    old_system = ('You are a function-calling agent. Available tools (JSON):\n[{"name": "Weather", "description": "", '
+                  '"parameters": {"city": {"type": "string", "required": true}, "days": {"type": "number", '
+                  '"required": false}}}]\nGiven the user\'s request ...')
+    structure = answer_structure(None, None, old_system)
+    assert structure.functions["Weather"]["required"] == ["city"]
+    assert forced_after("{", tools_in_text(old_system)) == '"name": "Weather", "arguments": {"city": "'
+    template = "<tools>\n" + "\n".join(json.dumps(t) for t in CFB_TOOLS) + "\n</tools>"
+    assert [t["function"]["name"] for t in tools_in_text(template)] == [s["name"] for s in COMPLEXFUNCBENCH_SPECS]
+    assert answer_structure(None, None, "no tools here [1, 2]") is None
+
+
+@pytest.mark.parametrize(("tools", "answers"), [(CFB_TOOLS, CFB_ANSWERS), (NESTFUL_TOOLS, NESTFUL_ANSWERS)])
+def test_forced_text_is_what_real_answers_write(tools, answers):
+    """Along every prefix of recorded answers, forced text parts from what the answer writes only where it
+    guessed a required key's name (models may order them otherwise); most of the answer is forced."""
+    forced_chars = 0
+    for answer in answers:
+        text = "```json\n" + json.dumps(answer) + "\n```"
+        for cut in range(len(text)):
+            forced = forced_after(text[:cut], tools)
+            agreed = next((i for i, (a, b) in enumerate(zip(forced, text[cut:], strict=False)) if a != b), len(forced))
+            assert agreed == len(forced) or (text[:cut] + forced[:agreed]).endswith(('{"', ', "')), (text[:cut], forced)
+            forced_chars += agreed > 0
+    assert forced_chars > sum(len(json.dumps(a)) for a in answers) // 2
+
+
+def _canonical_drafts(codec: HFTextCodec, tools: list, text: str) -> tuple[int, int]:
+    """For every token boundary of `text` encoded, the forced tokens the drafter proposes there, checked to
+    be the next tokens of that encoding where the forced text is what follows; (tokens drafted, boundaries)."""
+    ids = codec.encode(text)
+    drafter = SchemaDrafter(codec)
+    seq = SequenceView(0, [0], 1, tools=tools)
+    drafter.begin(seq)
+    drafted = 0
+    for cut in range(len(ids)):
+        seq.token_ids = [0, *ids[:cut]]
+        forced = drafter._forced_tokens(seq)
+        written = codec.decode(ids[:cut])
+        if text[len(written) :].startswith(codec.decode(forced)):
+            assert forced == ids[cut : cut + len(forced)], (written, codec.decode(forced))
+        drafted += len(forced)
+    return drafted, len(ids)
+
+
+@pytest.mark.parametrize("vocab_size", [96, 400])
+def test_forced_tokens_are_the_tokenizers_own_at_every_boundary(vocab_size):
+    codec = HFTextCodec(json_bpe_tokenizer(vocab_size))
+    drafted = boundaries = 0
+    for tools, answers in ((CFB_TOOLS, CFB_ANSWERS), (NESTFUL_TOOLS, NESTFUL_ANSWERS)):
+        for answer in answers:
+            for text in (json.dumps(answer), "<tool_call>\n" + json.dumps(answer) + "\n</tool_call>"):
+                d, b = _canonical_drafts(codec, tools, text)
+                drafted, boundaries = drafted + d, boundaries + b
+    assert drafted > boundaries  # several forced tokens per boundary on average
+
+
+def test_tokens_that_what_follows_could_change_are_not_drafted():
+    codec = HFTextCodec(json_bpe_tokenizer(400))
+    head = codec.encode('{"name": "Search_Car_Location", "arguments":')
+    # ' {"' is one token in this vocabulary: the ' ' after a colon would be a wrong draft
+    assert len(codec.encode(' {"')) == 1
+    assert continuation_tokens(codec, head, Forced(" ", None), 8) == []
+    # where anything may follow, the last token is never drafted
+    assert codec.decode(continuation_tokens(codec, head, Forced(' {"query": "', None), 8)) == ' {"query":'
+    # where every follower is known (names left by a prefix), tokens stable across all of them are drafted
+    name = codec.encode('{"name": "')
+    names = Forced("Search_", ('Car_Location"', 'Hotels"'))
+    assert codec.decode(continuation_tokens(codec, name, names, 8)) == "Search_"
+    # an answer split unlike the tokenizer would split it: where its next token starts is unknown
+    split = [t for ch in '{"na' for t in codec.encode(ch)]
+    assert continuation_tokens(codec, split, Forced('me": "', None), 8) == []
+
+
+def test_drafts_go_on_by_suffix_decoding_and_carry_confidence():
+    codec = HFTextCodec(json_bpe_tokenizer(400))
+    earlier = json.dumps(CFB_ANSWERS[0])
+    prompt = codec.encode("Book near San Diego Marriott La Jolla. Earlier: " + earlier + "\n")
+    drafter = SchemaDrafter(codec)
+    answer = codec.encode('{"name": "Search_Car_')
+    seq = SequenceView(3, prompt + answer, len(prompt), tools=CFB_TOOLS)
+    drafter.begin(seq)
+    draft = drafter.propose(seq, 12)
+    text = codec.decode(draft.tokens)
+    forced = codec.encode('Location", "arguments": {"query":')
+    assert draft.tokens[: len(forced)] == forced and draft.confidence[: len(forced)] == [1.0] * len(forced)
+    assert text.startswith('Location", "arguments": {"query": "San Diego')  # copied from the earlier answer
+    assert len(draft.confidence) == len(draft.tokens) and all(0 < c <= 1 for c in draft.confidence)
+    # inside a free value: suffix decoding alone
+    seq.token_ids = prompt + codec.encode('{"name": "Search_Car_Location", "arguments": {"query": "San')
+    assert codec.decode(drafter.propose(seq, 4).tokens).startswith(" Diego")
+    drafter.end(seq)
+    assert drafter._answers == {} and drafter.suffix._local == {}
+
+
+def test_where_a_copied_value_ends_the_schemas_next_key_takes_over():
+    codec = json_piece_codec(200)
+    prompt = codec.encode('{"search_type": "LAND", "zone": 1}\n')
+    answer = codec.encode('{"name": "Search_Hotels", "arguments": {"search_type": "')
+    seq = SequenceView(0, prompt + answer, len(prompt), tools=CFB_TOOLS)
+    drafter = SchemaDrafter(codec)
+    drafter.begin(seq)
+    draft = drafter.propose(seq, 20)
+    # suffix decoding copies the value and would go on with "zone"; the next required key follows instead
+    assert codec.decode(draft.tokens).startswith('LAND", "arrival_date')
+    assert len(draft.confidence) == len(draft.tokens) and draft.confidence == sorted(draft.confidence, reverse=True)
+
+
+def test_schema_is_a_method_and_needs_the_tokenizer():
+    assert "schema" in METHODS
+    with pytest.raises(ValueError, match="tokenizer"):
+        make_drafter("schema")
+    assert isinstance(make_drafter("schema", tokenizer=json_bpe_tokenizer(96)), SchemaDrafter)
+
+
+@pytest.mark.parametrize("preset", ["smollm2-135m", "qwen2.5-coder-0.5b"])
+def test_forced_tokens_on_a_presets_tokenizer(preset):
+    if not is_fetched(preset):
+        pytest.skip(f"the {preset} preset is not fetched")
+    from transformers import AutoTokenizer
+
+    codec = HFTextCodec(AutoTokenizer.from_pretrained(preset_dir(preset)))
+    drafted = boundaries = 0
+    for answer in CFB_ANSWERS:
+        call = json.dumps(answer)
+        for text in (f"I will search.\n```json\n{call}\n```", f"<tool_call>\n{call}\n</tool_call>"):
+            d, b = _canonical_drafts(codec, CFB_TOOLS, text)
+            drafted, boundaries = drafted + d, boundaries + b
+    assert drafted > boundaries
+
+
+def test_forced_drafts_are_accepted_where_the_target_writes_calls():
+    """A tiny target taught the recorded calls writes them (and leaves the schema at times): schema drafting
+    answers as plain decoding does, in far fewer passes than suffix decoding alone."""
+    codec = json_piece_codec(VOCAB)
+    model = HybridModel(teach_tool_calls(tiny_hybrid_hf_model("lfm2"), codec, steps=40), 512)
+    requests = [Request(prompt, 60, tools=tools) for prompt, _, tools in tool_call_conversations(codec)]
+    drafters = {"none": None, "suffix": make_drafter("suffix"), "schema": SchemaDrafter(codec)}
+    runs = {method: Engine(model, drafter, EngineConfig(5, 512, 3)).generate(requests)
+            for method, drafter in drafters.items()}
+    assert [r.output_ids for r in runs["schema"]] == [r.output_ids for r in runs["none"]]
+    passes = {method: sum(r.stats.target_passes for r in results) for method, results in runs.items()}
+    assert passes["schema"] < 0.8 * passes["suffix"], passes

@@ -537,7 +537,7 @@ def cmd_bench(args: argparse.Namespace) -> None:
     if args.repeats < 1:
         raise CliError("--repeats must be >= 1")
     turns = load_workload(args.workload)[: args.limit_turns]
-    methods = [bench_method(m) for value in args.method for m in value.split(",") if m]
+    methods = list(dict.fromkeys(bench_method(m) for value in args.method for m in value.split(",") if m))
     if args.fixed:
         methods += [f"{m}{FIXED}" for m in methods if m != "none" and not m.endswith(FIXED)]
     configured = [(_config_target_name(text), text) for text in args.speculative_config]

@@ -42,6 +42,14 @@ PUBLISHED_AS = {"smollm2-135m": "HuggingFaceTB/SmolLM2-135M-Instruct",
                 "qwen2.5-coder-0.5b": "Qwen/Qwen2.5-Coder-0.5B-Instruct"}
 
 
+def _portable_card(trained: dict) -> dict:
+    """The model card's figures with the training data's target named as portable_name names it."""
+    data = trained.get("data")
+    if not isinstance(data, dict) or not isinstance(data.get("model"), str):
+        return trained
+    return {**trained, "data": {**data, "model": portable_name(data["model"])}}
+
+
 def portable_name(name_or_path: str) -> str:
     """A verifier name that means the same on another machine: a preset's hub id, a hub id as it is, a
     local folder by its last component only (an export never carries a path of this machine)."""
@@ -142,7 +150,8 @@ def export_speculators(drafter: Path, target: LoadedModel, out: Path) -> None:
         "draft_vocab_size": spec.draft_vocab_size,
         "target_hidden_size": spec.hidden_size,
         # what a round trip needs beyond the fields above
-        "specstand_spec": json.loads(replace(spec, target=portable_name(spec.target)).to_json()),
+        "specstand_spec": json.loads(replace(spec, target=portable_name(spec.target),
+                                             trained=_portable_card(spec.trained)).to_json()),
     }
     if spec.method == "eagle3":
         config |= {"norm_before_residual": False, "eagle_aux_hidden_state_layer_ids": spec.tap_layers}

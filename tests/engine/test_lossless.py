@@ -37,8 +37,9 @@ def target(family: str, dtype: str, forward: str) -> DecoderModel:
     return tiny_decoder(family, DTYPES[dtype], forward=forward)
 
 
-def _engine(model: DecoderModel, drafter: Drafter | None, max_batch: int = 1) -> Engine:
-    return Engine(model, drafter, EngineConfig(num_speculative_tokens=K, max_seq_len=512, max_batch=max_batch))
+def _engine(model: DecoderModel, drafter: Drafter | None, max_batch: int = 1, adaptive: bool = True) -> Engine:
+    return Engine(model, drafter, EngineConfig(num_speculative_tokens=K, max_seq_len=512, max_batch=max_batch,
+                                               adaptive=adaptive))
 
 
 def _outputs(engine: Engine, prompts: list[list[int]], max_tokens: int = 48) -> list[list[int]]:
@@ -151,7 +152,7 @@ def test_alternating_drafted_and_undrafted_steps(dtype, forward):
     prompts = random_prompts(4, 30, seed=5)
     baseline = _outputs(_engine(model, None), prompts)
     drafter = ScriptedDrafter(dict(enumerate(baseline)))
-    engine = _engine(model, drafter)
+    engine = _engine(model, drafter, adaptive=False)  # every scripted draft verified
     results = engine.generate([Request(p, 48) for p in prompts])
     assert [r.output_ids for r in results] == baseline
     stats = results[0].stats

@@ -31,8 +31,9 @@ from tests.engine.test_lossless import (
 from tests.engine.test_sampling import PARAMS, assert_follows_the_joint_law, exact_joint, likeliest_second_drafter
 
 
-def _engine(model, drafter, max_batch: int = 1) -> Engine:
-    return Engine(model, drafter, EngineConfig(num_speculative_tokens=K, max_seq_len=512, max_batch=max_batch))
+def _engine(model, drafter, max_batch: int = 1, adaptive: bool = True) -> Engine:
+    return Engine(model, drafter, EngineConfig(num_speculative_tokens=K, max_seq_len=512, max_batch=max_batch,
+                                               adaptive=adaptive))
 
 
 def _outputs(engine: Engine, prompts: list[list[int]], max_tokens: int = 48) -> list[list[int]]:
@@ -76,7 +77,7 @@ def test_alternating_drafted_and_undrafted_passes(family):
     model = tiny_hybrid(family)
     prompts = random_prompts(4, 30, seed=5)
     baseline = _outputs(_engine(model, None), prompts)
-    results = _engine(model, ScriptedDrafter(dict(enumerate(baseline))), max_batch=2).generate(
+    results = _engine(model, ScriptedDrafter(dict(enumerate(baseline))), max_batch=2, adaptive=False).generate(
         [Request(p, 48) for p in prompts])
     assert [r.output_ids for r in results] == baseline
     stats = results[0].stats
@@ -91,7 +92,7 @@ def test_a_broken_rollback_fails_the_alternating_test(family, monkeypatch):
     prompts = random_prompts(4, 30, seed=5)
     baseline = _outputs(_engine(model, None), prompts)
     monkeypatch.setattr(StateCache, "rollback", broken_rollback)
-    drafted = _outputs(_engine(model, ScriptedDrafter(dict(enumerate(baseline))), max_batch=2), prompts)
+    drafted = _outputs(_engine(model, ScriptedDrafter(dict(enumerate(baseline))), max_batch=2, adaptive=False), prompts)
     assert drafted != baseline
 
 

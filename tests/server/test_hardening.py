@@ -182,7 +182,7 @@ class PoisonedDrafter(NgramDrafter):
 
 
 def test_a_request_killed_mid_step_fails_alone(tiny_model_dir):
-    live = LiveServer(tiny_model_dir, method="ngram", max_batch=3, max_queue=8)
+    live = LiveServer(tiny_model_dir, method="ngram", max_batch=3, max_queue=8, adaptive=False)
     live.worker.engine.drafter = PoisonedDrafter()
     try:
         good = PROMPTS[:2]

@@ -128,7 +128,8 @@ def test_workload_import_skips_turns(capsys, tmp_path):
 
 
 def test_vllm_speculative_config_stands_for_method_k_and_ngram_sizes(capsys, tiny_model_dir):
-    config = '{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 2, "prompt_lookup_max": 4}'
+    config = ('{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 2, "prompt_lookup_max": 4, '
+              '"adaptive": false}')
     code, out, _ = _run(capsys, "generate", "--model", str(tiny_model_dir), "--speculative-config", config,
                         "--prompt", "w3 w4 w5 w3 w4 w5 w3 w4", "--max-tokens", "12", "--json")
     assert code == 0

@@ -46,7 +46,7 @@ class LiveServer:
 
 @pytest.fixture(scope="module")
 def server(tiny_model_dir):
-    live = LiveServer(tiny_model_dir, method="ngram", max_batch=3, max_queue=16)
+    live = LiveServer(tiny_model_dir, method="ngram", max_batch=3, max_queue=16, adaptive=False)
     yield live
     live.close()
 

@@ -66,10 +66,10 @@ def test_copying_a_deterministic_target_reaches_high_acceptance(method, trained,
 def test_engine_is_token_identical_with_trained_drafters(method, dtype, forward, trained, tiny_target, tiny_data):
     decoder = tiny_decoder("llama", dtype, 512, forward)  # the same weights as the saved tiny model
     requests = _requests(tiny_data, tiny_target)
-    plain = Engine(decoder, None, EngineConfig(5, 512, 3)).generate(requests)
+    plain = Engine(decoder, None, EngineConfig(5, 512, 3, adaptive=False)).generate(requests)
     for steps in (1, LONG_RUN):  # a poor and a good drafter
         drafter = make_drafter(method, decoder, drafter_path=trained[method, steps])
-        drafted = Engine(decoder, drafter, EngineConfig(5, 512, 3)).generate(requests)
+        drafted = Engine(decoder, drafter, EngineConfig(5, 512, 3, adaptive=False)).generate(requests)
         assert [r.output_ids for r in drafted] == [r.output_ids for r in plain]
         # adaptive verification cuts drafts, never answers
         drafter = make_drafter(method, decoder, drafter_path=trained[method, steps])
@@ -206,7 +206,7 @@ def test_trained_drafters_are_lossless_on_every_family_over_shared_heads(family,
     plain = [Engine(decoder, None, EngineConfig(5, 512, 1)).generate([r])[0].output_ids for r in requests]
     for method in TRAINED:
         drafter = make_drafter(method, decoder, drafter_path=family_drafters[family, method])
-        drafted = Engine(decoder, drafter, EngineConfig(5, 512, 3)).generate(requests)
+        drafted = Engine(decoder, drafter, EngineConfig(5, 512, 3, adaptive=False)).generate(requests)
         assert [r.output_ids for r in drafted] == plain, method
         assert sum(r.stats.cached_prompt_tokens for r in drafted) >= 4 * 128
         assert sum(r.stats.passes_with_draft for r in drafted) > 0, method

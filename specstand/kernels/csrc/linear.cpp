@@ -91,9 +91,14 @@ __attribute__((target("avx512f,avx512bw,avx512bf16"))) static void tile_avx512bf
 }
 
 // ---- avx2: R rows x NB strips; a strip's 16 columns are two ymm accumulators -------------------------
+// Per k pair the even k's weights of the NB strips are widened once (a shift), then each row's x[2p] is broadcast
+// once and meets all 2 NB of them; then the odd k (a mask). So a pair costs 4 NB weight loads and 2 R broadcasts
+// for 4 R NB FMAs: with R NB = 6 the loads stay well under the FMAs, where re-broadcasting each row for every
+// weight vector was load-bound. Registers: 2 R NB accumulators + 2 NB weights + 1 broadcast <= 16.
 template <int R, int NB>
 __attribute__((target("avx2,fma"))) static void tile_avx2(
-    const PackedLinear& w, int64_t s0, const float* x, int64_t xs, float* y, int64_t ys, int64_t col0) {
+    const PackedLinear& w, int64_t s0, const float* x, int64_t xs, float* y, int64_t ys) {
+  static_assert(2 * R * NB + 2 * NB + 1 <= 16, "accumulators, weights and a broadcast in 16 ymm");
   __m256 acc[R][NB][2];
   for (int r = 0; r < R; ++r)
     for (int b = 0; b < NB; ++b) acc[r][b][0] = acc[r][b][1] = _mm256_setzero_ps();
@@ -102,22 +107,30 @@ __attribute__((target("avx2,fma"))) static void tile_avx2(
   const __m256i high = _mm256_set1_epi32(int32_t(0xffff0000u));
   const int64_t pairs = w.k_pad / 2;
   for (int64_t p = 0; p < pairs; ++p) {
-    for (int b = 0; b < NB; ++b)
-      for (int h = 0; h < 2; ++h) {  // columns 0-7, then 8-15 of the strip
-        const __m256i v = _mm256_load_si256(reinterpret_cast<const __m256i*>(strips[b] + p * 32 + h * 16));
-        const __m256 even = _mm256_castsi256_ps(_mm256_slli_epi32(v, 16));  // W[col, 2p] as fp32
-        const __m256 odd = _mm256_castsi256_ps(_mm256_and_si256(v, high));  // W[col, 2p + 1]
-        for (int r = 0; r < R; ++r) {
-          acc[r][b][h] = _mm256_fmadd_ps(_mm256_broadcast_ss(x + r * xs + 2 * p), even, acc[r][b][h]);
-          acc[r][b][h] = _mm256_fmadd_ps(_mm256_broadcast_ss(x + r * xs + 2 * p + 1), odd, acc[r][b][h]);
+    for (int odd = 0; odd < 2; ++odd) {  // W[col, 2p] then W[col, 2p + 1]: each element's k order
+      __m256 wv[NB][2];
+      for (int b = 0; b < NB; ++b)
+        for (int h = 0; h < 2; ++h) {  // columns 0-7, then 8-15 of the strip
+          const __m256i v = _mm256_load_si256(reinterpret_cast<const __m256i*>(strips[b] + p * 32 + h * 16));
+          wv[b][h] = _mm256_castsi256_ps(odd ? _mm256_and_si256(v, high) : _mm256_slli_epi32(v, 16));
         }
+      for (int r = 0; r < R; ++r) {
+        const __m256 xv = _mm256_broadcast_ss(x + r * xs + 2 * p + odd);
+        for (int b = 0; b < NB; ++b)
+          for (int h = 0; h < 2; ++h) acc[r][b][h] = _mm256_fmadd_ps(xv, wv[b][h], acc[r][b][h]);
       }
+    }
   }
   alignas(32) float tmp[16];
   for (int r = 0; r < R; ++r)
     for (int b = 0; b < NB; ++b) {
-      const int64_t col = col0 + b * 16;
+      const int64_t col = (s0 + b) * 16;
       const int64_t valid = std::min<int64_t>(16, w.n - col);
+      if (valid == 16) {
+        _mm256_storeu_ps(y + r * ys + col, acc[r][b][0]);
+        _mm256_storeu_ps(y + r * ys + col + 8, acc[r][b][1]);
+        continue;
+      }
       _mm256_store_ps(tmp, acc[r][b][0]);
       _mm256_store_ps(tmp + 8, acc[r][b][1]);
       for (int64_t c = 0; c < valid; ++c) y[r * ys + col + c] = tmp[c];
@@ -177,18 +190,31 @@ static void linear_avx512bf16(const PackedLinear& w, const float* x, int64_t m, 
   });
 }
 
+// Strips a row tile of R rows takes at once: six accumulators at least (2 FMAs in flight on each of 2 ports for
+// 4 cycles want 8; six rows' 12 do), so fewer rows take more strips.
+template <int R>
+constexpr int avx2_strips() {
+  return R >= 3 ? 1 : R == 2 ? 2 : 3;
+}
+
+template <int R>
+static void tile_avx2_strips(const PackedLinear& w, int64_t s0, int64_t nb, const float* x, int64_t xs, float* y,
+                             int64_t ys) {
+  constexpr int NB = avx2_strips<R>();
+  int64_t s = s0;
+  for (; s + NB <= s0 + nb; s += NB) tile_avx2<R, NB>(w, s, x, xs, y, ys);
+  for (; s < s0 + nb; ++s) tile_avx2<R, 1>(w, s, x, xs, y, ys);
+}
+
+// Threads take groups of 6 strips (96 columns; 6 is a multiple of every tile's strips); within a group each tile
+// of up to 6 rows sweeps all its strips while its activations sit in L1 and the group's weights in L2.
 static void linear_avx2(const PackedLinear& w, const float* x, int64_t m, int64_t x_stride, float* y,
                         int64_t y_stride) {
   const std::vector<float> xp = padded_rows(x, m, w.k, x_stride, w.k_pad);
-  for_strip_groups<2>(w, [&](int64_t s0, int64_t nb) {
-    run_rows<3>(m, [&](int64_t r, auto rows) {
+  for_strip_groups<6>(w, [&](int64_t s0, int64_t nb) {
+    run_rows<6>(m, [&](int64_t r, auto rows) {
       constexpr int R = decltype(rows)::value;
-      const float* xr = xp.data() + r * w.k_pad;
-      if (nb == 2) {
-        tile_avx2<R, 2>(w, s0, xr, w.k_pad, y + r * y_stride, y_stride, s0 * 16);
-      } else {
-        tile_avx2<R, 1>(w, s0, xr, w.k_pad, y + r * y_stride, y_stride, s0 * 16);
-      }
+      tile_avx2_strips<R>(w, s0, nb, xp.data() + r * w.k_pad, w.k_pad, y + r * y_stride, y_stride);
     });
   });
 }

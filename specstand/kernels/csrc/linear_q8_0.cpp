@@ -326,41 +326,54 @@ static FixedPointValues fixed_point_values(const float* x, int64_t m, int64_t k,
   return rows;
 }
 
-// R rows x one strip; the strip's 16 columns are two ymm of int32 block sums per row.
-template <int R>
-__attribute__((target("avx2,fma,f16c"))) static void tile_q8_avx2(const PackedLinear& w, int64_t s,
+// R rows x NB strips; a strip's 16 columns are two ymm of int32 block sums per row. Per k pair the NB strips'
+// weights are widened to int16 once and each row's pair (x[2p], x[2p + 1]) is broadcast once and meets all of
+// them: 2 NB loads and R broadcasts for 2 R NB vpmaddwd. Registers: 2 R NB sums + 2 NB weights + 1 broadcast.
+template <int R, int NB>
+__attribute__((target("avx2,fma,f16c"))) static void tile_q8_avx2(const PackedLinear& w, int64_t s0,
                                                                   const FixedPointValues& xv, int64_t r0, float* y,
                                                                   int64_t ys) {
+  static_assert(2 * R * NB + 2 * NB + 1 <= 16, "sums, weights and a broadcast in 16 ymm");
   const int64_t blocks = w.k_pad / 32;
-  alignas(32) float acc[R][16] = {};
-  const int8_t* strip = w.q_strip(s);
-  const uint16_t* scales = w.scale_strip(s);
+  alignas(32) float acc[R][NB][16] = {};
+  const int16_t* rows[R];
+  for (int r = 0; r < R; ++r) rows[r] = xv.values.data() + (r0 + r) * w.k_pad;
   for (int64_t block = 0; block < blocks; ++block) {
-    __m256i sums[R][2];
-    for (int r = 0; r < R; ++r) sums[r][0] = sums[r][1] = _mm256_setzero_si256();
+    __m256i sums[R][NB][2];
+    for (int r = 0; r < R; ++r)
+      for (int b = 0; b < NB; ++b) sums[r][b][0] = sums[r][b][1] = _mm256_setzero_si256();
 #pragma GCC unroll 4
     for (int pair = 0; pair < 16; ++pair) {
       const int64_t p = block * 16 + pair;
-      for (int h = 0; h < 2; ++h) {  // columns 0-7, then 8-15: 16 int8 = (col, k even), (col, k odd) pairs
-        const __m256i q = _mm256_cvtepi8_epi16(_mm_load_si128(reinterpret_cast<const __m128i*>(strip + p * 32 + h * 16)));
+      __m256i q[NB][2];  // columns 0-7, then 8-15: 16 int8 = (col, k even), (col, k odd) pairs, as int16
+      for (int b = 0; b < NB; ++b)
+        for (int h = 0; h < 2; ++h)
+          q[b][h] = _mm256_cvtepi8_epi16(
+              _mm_load_si128(reinterpret_cast<const __m128i*>(w.q_strip(s0 + b) + p * 32 + h * 16)));
+      for (int r = 0; r < R; ++r) {
+        int32_t both;
+        std::memcpy(&both, rows[r] + 2 * p, 4);
+        const __m256i xv2 = _mm256_set1_epi32(both);
+        for (int b = 0; b < NB; ++b)
+          for (int h = 0; h < 2; ++h) sums[r][b][h] = _mm256_add_epi32(sums[r][b][h], _mm256_madd_epi16(q[b][h], xv2));
+      }
+    }
+    for (int b = 0; b < NB; ++b)
+      for (int h = 0; h < 2; ++h) {
+        const __m256 d = _mm256_cvtph_ps(
+            _mm_load_si128(reinterpret_cast<const __m128i*>(w.scale_strip(s0 + b) + block * 16 + h * 8)));
         for (int r = 0; r < R; ++r) {
-          int32_t both;
-          std::memcpy(&both, xv.values.data() + (r0 + r) * w.k_pad + 2 * p, 4);
-          sums[r][h] = _mm256_add_epi32(sums[r][h], _mm256_madd_epi16(q, _mm256_set1_epi32(both)));
+          const __m256 scale = _mm256_mul_ps(d, _mm256_set1_ps(xv.step[(r0 + r) * blocks + block]));
+          float* a = acc[r][b] + h * 8;
+          _mm256_store_ps(a, _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums[r][b][h]), scale, _mm256_load_ps(a)));
         }
       }
-    }
-    for (int h = 0; h < 2; ++h) {
-      const __m256 d = _mm256_cvtph_ps(_mm_load_si128(reinterpret_cast<const __m128i*>(scales + block * 16 + h * 8)));
-      for (int r = 0; r < R; ++r) {
-        const __m256 scale = _mm256_mul_ps(d, _mm256_set1_ps(xv.step[(r0 + r) * blocks + block]));
-        _mm256_store_ps(acc[r] + h * 8,
-                        _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums[r][h]), scale, _mm256_load_ps(acc[r] + h * 8)));
-      }
-    }
   }
   for (int r = 0; r < R; ++r)
-    for (int64_t c = 0; c < std::min<int64_t>(16, w.n - s * 16); ++c) y[r * ys + s * 16 + c] = acc[r][c];
+    for (int b = 0; b < NB; ++b) {
+      const int64_t col = (s0 + b) * 16;
+      for (int64_t c = 0; c < std::min<int64_t>(16, w.n - col); ++c) y[r * ys + col + c] = acc[r][b][c];
+    }
 }
 
 // The same integers and the same fp32 ops in plain C++.
@@ -409,12 +422,21 @@ static void linear_q8_avx512(const PackedLinear& w, const float* x, int64_t m, i
   });
 }
 
+// As linear.cpp's avx2 tiles: 6 rows a tile, fewer rows over more strips, threads on groups of 6 strips.
+template <int R>
+constexpr int q8_avx2_strips() {
+  return R >= 3 ? 1 : R == 2 ? 2 : 3;
+}
+
 static void linear_q8_avx2(const PackedLinear& w, const float* x, int64_t m, int64_t x_stride, float* y,
                            int64_t y_stride) {
   const FixedPointValues xv = fixed_point_values(x, m, w.k, x_stride, w.k_pad);
-  for_strip_groups<1>(w, [&](int64_t s, int64_t) {
-    run_rows<4>(m, [&](int64_t r, auto rows) {  // 4 rows: 8 block sums + 2 weight halves + 1 activation of 16 ymm
-      tile_q8_avx2<decltype(rows)::value>(w, s, xv, r, y + r * y_stride, y_stride);
+  for_strip_groups<6>(w, [&](int64_t s0, int64_t nb) {
+    run_rows<6>(m, [&](int64_t r, auto rows) {
+      constexpr int R = decltype(rows)::value, NB = q8_avx2_strips<R>();
+      int64_t s = s0;
+      for (; s + NB <= s0 + nb; s += NB) tile_q8_avx2<R, NB>(w, s, xv, r, y + r * y_stride, y_stride);
+      for (; s < s0 + nb; ++s) tile_q8_avx2<R, 1>(w, s, xv, r, y + r * y_stride, y_stride);
     });
   });
 }
@@ -445,6 +467,25 @@ __attribute__((target("avx512f,avx512bw,avx512vnni"))) static double peak_q8_vnn
   return double(iterations) * 12 * 32 / seconds;  // 64 int8 products per vpdpbusd
 }
 
+// avx2: vpmaddwd (16 int16 products, summed in pairs) and the vpaddd that accumulates it, as the tile runs them.
+__attribute__((target("avx2"))) static double peak_q8_avx2(int64_t iterations) {
+  __m256i acc[12];
+  for (auto& a : acc) a = _mm256_setzero_si256();
+  __m256i a = _mm256_set1_epi32(0x00010001), b = _mm256_set1_epi32(0x00010001);
+  const Stopwatch clock;
+  for (int64_t i = 0; i < iterations; ++i) {
+    for (auto& c : acc) c = _mm256_add_epi32(c, _mm256_madd_epi16(a, b));
+    __asm__ volatile("" : "+x"(a));
+  }
+  const double seconds = clock.seconds();
+  for (int i = 1; i < 12; ++i) acc[0] = _mm256_add_epi32(acc[0], acc[i]);  // every chain is live
+  alignas(32) int32_t out[8];
+  _mm256_store_si256(reinterpret_cast<__m256i*>(out), acc[0]);
+  volatile int sink = out[0];
+  (void)sink;
+  return double(iterations) * 12 * 16 / seconds;  // 16 multiply-accumulates per vpmaddwd
+}
+
 __attribute__((target("amx-tile,amx-int8,avx512f"))) static double peak_q8_amx(int64_t iterations) {
   configure_int8_tiles();
   zero_tiles();
@@ -466,7 +507,7 @@ __attribute__((target("amx-tile,amx-int8,avx512f"))) static double peak_q8_amx(i
 
 double peak_macs_per_second_q8_0(Isa isa, bool tiles, int64_t iterations) {
   if (vnni_path(isa)) return tiles && isa == Isa::amx && amx_int8() ? peak_q8_amx(iterations) : peak_q8_vnni(iterations);
-  return peak_macs_per_second(isa == Isa::scalar ? Isa::scalar : Isa::avx2, iterations);  // fp32 FMA paths
+  return isa == Isa::scalar ? peak_macs_per_second(Isa::scalar, iterations) : peak_q8_avx2(iterations);
 }
 
 }  // namespace specstand

@@ -3,8 +3,8 @@
 `DecoderModel` (transformer.py) stays the readable reference. Decode and verify rows run here: every op
 is row-local with a fixed reduction order, so a row's logits are bit-identical whether it is alone in its
 pass or one of U users x (K + 1) rows, and no padding is needed (`row_unit` 1). Prompts run here too
-where the path has bf16 dot-product instructions (amx, avx512bf16: a 512-row pass costs a few decode
-steps); on avx2 and scalar they stay on torch's GEMMs, which are faster there for whole blocks.
+on every vector path (amx, avx512bf16, avx2: their tiles reuse each weight over 6-32 rows, so a 512-row
+pass costs a few decode steps); the scalar path leaves them to torch's GEMMs.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from specstand.runner.transformer import DecoderModel, Weights
 WEIGHT_FORMATS = ("bf16", "q8_0")
 Q8Blocks = tuple[torch.Tensor, torch.Tensor]  # (q int8 [n, k], d fp16 [n, k / 32]): kernels/q8_0.py
 
-PROMPT_PATHS = ("amx", "avx512bf16")  # kernel paths that also compute prompt blocks
+PROMPT_PATHS = ("amx", "avx512bf16", "avx2")  # kernel paths that also compute prompt blocks
 
 
 class CompiledDecoder:

@@ -116,13 +116,13 @@ def test_rows_are_bit_identical_whatever_shares_the_pass(family, path, head_dim,
 @pytest.mark.parametrize("path", KERNEL_PATHS)
 def test_prompt_blocks_equal_one_row_at_a_time_where_the_kernels_compute_prompts(path, chunk, weight_format,
                                                                                  monkeypatch):
-    """On amx/avx512bf16 prompts run through the kernels too: a 150-token prompt in passes of `chunk` rows
+    """On amx/avx512bf16/avx2 prompts run through the kernels too: a 150-token prompt in passes of `chunk` rows
     (logits from the last one only) leaves the same cache and last logits, to the bit, as feeding it one
     token a pass."""
     monkeypatch.setattr(runner_module, "PROMPT_CHUNK", chunk)
     model = tiny_decoder("qwen2", torch.bfloat16, forward=path, head_dim=64, weight_format=weight_format)
     runner = TargetRunner(model, 2, 256)
-    assert runner.compiled_prompts == (path in ("amx", "avx512bf16"))
+    assert runner.compiled_prompts == (path in ("amx", "avx512bf16", "avx2"))
     if not runner.compiled_prompts:
         pytest.skip(f"on {path} torch computes prompt blocks (the Python forward's tests cover them)")
     prompt = random_prompts(1, 150, seed=3)[0]

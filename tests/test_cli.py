@@ -187,7 +187,7 @@ def test_serve_takes_vllm_spellings(monkeypatch):
     assert (model, dtype, max_seq_len, config.max_batch, config.served_name) == ("m1", "fp32", 1024, 3, "x")
     assert config.tool_call_parser == "json" and config.api_key is None  # the preset default when none is named
     load, config = _serve_config(monkeypatch, "m1", "--dtype", "auto", "--tool-call-parser", "hermes")
-    assert load[1] == "bf16" and config.tool_call_parser is None  # no auto tool choice: answers stay content
+    assert load[1] == "auto" and config.tool_call_parser is None  # no auto tool choice: answers stay content
     assert _serve_config(monkeypatch, "m1", "--dtype", "bfloat16", "--enable-auto-tool-choice",
                          "--tool-call-parser", "hermes")[1].tool_call_parser == "hermes"
     monkeypatch.setenv("SPECSTAND_API_KEY", "from-env")

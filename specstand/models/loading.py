@@ -10,6 +10,7 @@ import torch
 from specstand.kernels import KernelsUnavailable
 from specstand.models import gguf_blocks
 from specstand.models.chat import render_chat
+from specstand.models.dtype_choice import auto_dtype
 from specstand.models.presets import PRESETS, fetch, preset_dir
 from specstand.runner.compiled import attach_compiled
 from specstand.runner.generic import TransformersModel
@@ -25,10 +26,10 @@ DTYPE_SPELLINGS = {"bfloat16": "bf16", "float32": "fp32"}  # vLLM's names -> our
 
 
 def resolve_dtype(name: str) -> str:
-    """A `--dtype` as given (ours, vLLM's spelling, or `auto`) -> one of DTYPES. `auto` is bf16 for now."""
+    """A `--dtype` as given (ours, vLLM's spelling, or `auto`) -> one of DTYPES or `auto` (load_model measures)."""
     name = DTYPE_SPELLINGS.get(name, name)
     if name == "auto":
-        return "bf16"
+        return name
     if name not in DTYPES:
         choices = [*DTYPES, *DTYPE_SPELLINGS, "auto"]
         raise ModelError(f"unknown dtype {name!r} (choose from {', '.join(choices)})")
@@ -90,9 +91,13 @@ def load_model(model: str, dtype: str = "bf16", max_seq_len: int = 2048, log=pri
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()  # our commands print their own progress, one line each
-    if dtype not in DTYPES:
-        raise ModelError(f"unknown dtype {dtype!r} (choose from {', '.join(DTYPES)})")
+    if dtype not in (*DTYPES, "auto"):
+        raise ModelError(f"unknown dtype {dtype!r} (choose from {', '.join(DTYPES)}, auto)")
     path = resolve_model_path(model, log=log)
+    if dtype == "auto":
+        choice = auto_dtype(_widest_linear(path), (Path(path) / gguf_blocks.FILE).is_file())
+        log(choice.reason)
+        dtype = choice.dtype
     try:
         hf_model = AutoModelForCausalLM.from_pretrained(path, dtype=DTYPES[dtype]).eval()
         tokenizer = AutoTokenizer.from_pretrained(path)
@@ -116,6 +121,20 @@ def load_model(model: str, dtype: str = "bf16", max_seq_len: int = 2048, log=pri
     except OSError:
         pass  # no generation_config.json
     return LoadedModel(model, path, decoder, tokenizer, frozenset(stop_ids), max_positions)
+
+
+def _widest_linear(path: str) -> tuple[int, int] | None:
+    """(n, k) of the fused gate/up linear, from the model's config.json (None where it names no sizes)."""
+    import json
+
+    try:
+        config = json.loads((Path(path) / "config.json").read_text())
+    except (OSError, ValueError):
+        return None
+    config = config.get("text_config", config)
+    if not {"intermediate_size", "hidden_size"} <= set(config):
+        return None
+    return 2 * config["intermediate_size"], config["hidden_size"]
 
 
 def target_model(hf_model, max_positions: int, log=print, weight_format: str = "bf16",

@@ -1,0 +1,61 @@
+"""`--dtype auto` follows the measured costs, keeps them per machine, and leaves unpublished models bf16."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from specstand.models import dtype_choice
+from tests.conftest import KERNEL_PATHS
+
+
+@pytest.mark.parametrize(("costs", "expected"), [
+    ({"bf16": 0.010, "q8_0": 0.006}, "q8_0"),
+    ({"bf16": 0.004, "q8_0": 0.006}, "bf16"),
+    ({"bf16": 0.005, "q8_0": 0.005}, "bf16"),  # a tie keeps the unquantized format
+])
+def test_the_cheaper_measured_format_is_chosen(costs, expected):
+    choice = dtype_choice.choose(costs, "avx2")
+    assert choice.dtype == expected
+    assert f"dtype auto: {expected}" in choice.reason and "no bf16 dot products" in choice.reason
+    assert "no bf16 dot products" not in dtype_choice.choose(costs, "avx512bf16").reason
+
+
+def test_a_model_without_published_blocks_stays_bf16(monkeypatch):
+    monkeypatch.setattr(dtype_choice, "measure", lambda *a, **k: pytest.fail("nothing to measure"))
+    assert dtype_choice.auto_dtype((64, 32), published_blocks=False).dtype == "bf16"
+
+
+def test_costs_are_measured_once_per_machine_and_shape(monkeypatch, tmp_path):
+    monkeypatch.setenv("SPECSTAND_CACHE", str(tmp_path))
+    calls = []
+
+    def fake(n, k, path):
+        calls.append((n, k, path))
+        return {"bf16": 2.0, "q8_0": 1.0} if n == 64 else {"bf16": 1.0, "q8_0": 2.0}
+
+    monkeypatch.setattr(dtype_choice, "measure", fake)
+    monkeypatch.setattr(dtype_choice.kernels, "best_path", lambda: "avx2")
+    monkeypatch.setattr(dtype_choice.kernels, "load", lambda: None)
+    assert dtype_choice.auto_dtype((64, 32), published_blocks=True).dtype == "q8_0"
+    assert dtype_choice.auto_dtype((64, 32), published_blocks=True).dtype == "q8_0"
+    assert dtype_choice.auto_dtype((96, 32), published_blocks=True).dtype == "bf16"
+    assert calls == [(64, 32, "avx2"), (96, 32, "avx2")]
+    kept = json.loads((tmp_path / "dtype_costs.json").read_text())
+    assert len(kept) == 2 and not list(tmp_path.glob("*.tmp"))
+
+
+@pytest.mark.parametrize("path", KERNEL_PATHS)
+def test_measure_times_both_formats_through_the_kernels(path):
+    costs = dtype_choice.measure(48, 64, path, repeats=1)
+    assert set(costs) == {"bf16", "q8_0"} and all(seconds > 0 for seconds in costs.values())
+
+
+def test_load_model_says_what_auto_chose(tiny_model_dir):
+    from specstand.models.loading import load_model
+
+    said = []
+    model = load_model(str(tiny_model_dir), "auto", 128, log=said.append)
+    assert "dtype auto: bf16 (the model publishes no Q8_0 blocks to run as they are)" in said
+    assert model.decoder.dtype == dtype_choice.torch.bfloat16

@@ -7,9 +7,13 @@ Memory bandwidth (1 GiB fp32 sum) and the peak multiply-accumulate rate (a regis
 path's instruction, times threads) are measured in the same run; each pass prints its roofline
 max(weight bytes / bandwidth, MACs / peak).
 `--profile` splits a speculative step into target pass and the rest (drafting, verification, bookkeeping).
+`--calls WORKLOAD` times whole agent calls (prompt with its tools + `--tokens` answer tokens, fresh state per
+call): specstand plain and with `--method` (adaptive verification, answers compared), and llama-cpp-python's
+plain decoding where `--llama-cpp-python` is given; prompts of >= 512 tokens are measured on both sides.
 
     python benchmarks/pass_cost.py --model qwen2.5-coder-0.5b --out benchmarks/results/pass_cost_qwen.txt
     python benchmarks/pass_cost.py --model qwen2.5-coder-0.5b --dtype q8_0   # Q8_0 blocks through the kernels
+    python benchmarks/pass_cost.py --model qwen2.5-coder-0.5b --calls cfb.jsonl --llama-cpp-python PYTHON
 """
 
 from __future__ import annotations
@@ -26,15 +30,18 @@ import torch
 from printed import Printed
 
 from specstand import kernels
-from specstand.drafters import make_drafter
+from specstand.drafters import default_k, make_drafter
 from specstand.engine import Engine, EngineConfig, Request
 from specstand.models import load_model
+from specstand.models.chat import render_chat
 from specstand.models.presets import PRESETS, download_gguf
 from specstand.runner import PassInput, TargetRunner
 from specstand.runner.runner import PREFILL_BLOCK, PROMPT_CHUNK
+from specstand.workloads.format import load_workload
 
 ROWS = (1, 2, 4, 8, 16, 32, 64)
 PROMPT = "Return a JSON object with the keys name, city and age for a 30-year-old called Ana from Porto."
+LONG_PROMPT_TOKENS = 512  # at least: agent calls' prompts are this long or longer
 
 
 BYTES_PER_WEIGHT = {"bf16": 2.0, "q8_0": 34 / 32}  # q8_0: an int8 a weight and an fp16 scale per 32
@@ -121,17 +128,52 @@ def hf_tokens_per_second(path: str, prompt_ids: list[int], tokens: int) -> float
     return (out.shape[1] - len(prompt_ids)) / (time.perf_counter() - started)
 
 
-def llama_cpp_figures(python: str, model: str, prompt_text: str, tokens: int, threads: int) -> tuple[dict, int]:
+def llama_cpp_figures(python: str, model: str, prompt_text: str, long_text: str, calls: list[str], tokens: int,
+                      threads: int) -> tuple[dict, int]:
     """benchmarks/peers/llama_cpp_bench.py run by `python` (one with llama-cpp-python) on the preset's own
-    GGUF; returns its figures and the GGUF's size in bytes."""
+    GGUF (also the long prompt and the calls' prompt texts); returns its figures and the GGUF's size in bytes."""
     with tempfile.TemporaryDirectory() as work:
         gguf, prompt_file = Path(work) / "model.gguf", Path(work) / "prompt.txt"
+        long_file, calls_file = Path(work) / "long.txt", Path(work) / "calls.json"
         download_gguf(PRESETS[model], Path(work), gguf, log=lambda _: None)
         prompt_file.write_text(prompt_text)
+        long_file.write_text(long_text)
+        calls_file.write_text(json.dumps(calls))
         script = Path(__file__).parent / "peers" / "llama_cpp_bench.py"
-        out = subprocess.run([python, str(script), str(gguf), "--prompt-file", str(prompt_file), "--tokens",
-                              str(tokens), "--threads", str(threads)], check=True, capture_output=True, text=True)
+        command = [python, str(script), str(gguf), "--prompt-file", str(prompt_file), "--tokens", str(tokens),
+                   "--threads", str(threads), "--long-prompt-file", str(long_file)]
+        if calls:
+            command += ["--calls-file", str(calls_file)]
+        out = subprocess.run(command, check=True, capture_output=True, text=True)
         return json.loads(out.stdout.strip().splitlines()[-1]), gguf.stat().st_size
+
+
+def long_prompt(loaded, chat: bool) -> tuple[str, list[int]]:
+    """PROMPT repeated in one user message until it makes LONG_PROMPT_TOKENS tokens or more: text and ids."""
+    for copies in range(1, 1000):
+        content = " ".join([PROMPT] * copies)
+        text = render_chat(loaded.tokenizer, [{"role": "user", "content": content}]) if chat else content
+        ids = loaded.tokenizer(text, add_special_tokens=not chat)["input_ids"]
+        if len(ids) >= LONG_PROMPT_TOKENS:
+            return text, ids
+    raise ValueError("the prompt does not grow")
+
+
+def call_texts(loaded, workload: Path, limit: int) -> list[str]:
+    """The prompt texts of the first `limit` calls with messages in a workload, tools rendered as the server
+    renders them."""
+    calls = [call for turn in load_workload(workload) for call in turn.calls if call.messages]
+    return [render_chat(loaded.tokenizer, call.messages, call.tools) for call in calls[:limit]]
+
+
+def call_seconds(loaded, method: str, prompt_ids: list[int], tokens: int) -> tuple[float, list[int]]:
+    """Seconds of one whole call (prompt + `tokens` answer tokens, no stop token) on a fresh engine, and the answer."""
+    drafter = make_drafter(method, loaded.decoder, tokenizer=loaded.tokenizer)
+    config = EngineConfig(default_k(drafter, None), len(prompt_ids) + tokens + 64, 1)
+    engine = Engine(loaded.decoder, drafter, config)
+    started = time.perf_counter()
+    result = engine.generate([Request(prompt_ids, tokens)])[0]
+    return time.perf_counter() - started, result.output_ids
 
 
 def profile_step(loaded, prompt_ids: list[int], tokens: int) -> tuple[float, float]:
@@ -172,11 +214,14 @@ def main() -> None:
     parser.add_argument("--out", type=Path, help="also write the report here")
     parser.add_argument("--llama-cpp-python", metavar="PYTHON",
                         help="a Python with llama-cpp-python (source build): also measure it on the preset's GGUF")
+    parser.add_argument("--calls", type=Path, metavar="WORKLOAD", help="also time whole calls of this workload")
+    parser.add_argument("--calls-limit", type=int, default=4, help="how many of its calls")
+    parser.add_argument("--method", default="suffix", help="the drafted method the calls also run with")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     say = Printed()
 
-    capacity = max(1024, args.context + 64)
+    capacity = max(4096, args.context + 64)
     loaded = load_model(args.model, args.dtype, max_seq_len=capacity, log=lambda m: None)
     compiled = loaded.decoder.compiled
     path = compiled.path if compiled is not None else getattr(loaded.decoder, "kernel_path", "python")
@@ -238,7 +283,7 @@ def main() -> None:
     say()
     chat = getattr(loaded.tokenizer, "chat_template", None)  # a base model (gemma3-270m) takes the plain text
     prompt_ids = loaded.encode_messages([{"role": "user", "content": PROMPT}]) if chat else loaded.encode_prompt(PROMPT)
-    prompt = (prompt_ids * 8)[:512]
+    long_text, prompt = long_prompt(loaded, chat)
     rates = {}
     for name, compiled_prompts in (("compiled", True), ("torch", False)):
         if compiled_prompts and compiled is None:
@@ -251,23 +296,47 @@ def main() -> None:
         rates = {"python forward + compiled linears": rates["torch"]}
         used = "that"
     measured = ", ".join(f"{name} {rate:.0f} tokens/s" for name, rate in rates.items())
-    say(f"prompt (512 tokens; compiled: {PROMPT_CHUNK}-row passes, torch: {PREFILL_BLOCK}-row blocks): {measured}; "
-        f"the engine uses {used} on this path")
+    say(f"prompt ({len(prompt)} tokens; compiled: {PROMPT_CHUNK}-row passes, torch: {PREFILL_BLOCK}-row blocks): "
+        f"{measured}; the engine uses {used} on this path")
     ours = decode_tokens_per_second(loaded, prompt_ids, args.tokens)
     floor_tps = 1e3 / floor_ms
     say(f"plain decode: specstand {ours:.1f} tok/s = {ours / floor_tps:.0%} of the weight-read floor "
         f"({floor_tps:.1f} tok/s at {bandwidth:.1f} GB/s)")
     hf = hf_tokens_per_second(loaded.path, prompt_ids, args.tokens)
     say(f"plain decode: HF transformers generate {hf:.1f} tok/s (specstand x{ours / hf:.2f})")
+    texts = call_texts(loaded, args.calls, args.calls_limit) if args.calls else []
+    used_rate = used if used in rates else next(iter(rates))
+    peer = None
     if args.llama_cpp_python:
         text = loaded.tokenizer.apply_chat_template([{"role": "user", "content": PROMPT}], add_generation_prompt=True,
                                                     tokenize=False)
-        peer, size = llama_cpp_figures(args.llama_cpp_python, args.model, text, args.tokens, args.threads)
+        peer, size = llama_cpp_figures(args.llama_cpp_python, args.model, text, long_text, texts, args.tokens,
+                                       args.threads)
         say(f"llama-cpp-python on the preset's GGUF ({size / 1e6:.0f} MB as published, against our "
             f"{weight_bytes / 1e6:.0f} MB of {args.dtype}): plain {peer['plain_tokens_per_s']:.1f} tok/s (specstand "
             f"x{ours / peer['plain_tokens_per_s']:.2f}), prompt lookup {peer['prompt_lookup_tokens_per_s']:.1f} "
             f"tok/s; its speculative answer {'equals' if peer['speculative_equals_plain'] else 'DIFFERS from'} its "
-            f"plain one; prompt {peer['plain_prompt_tokens_per_s']:.0f} tokens/s ({peer['prompt_tokens']} tokens)")
+            f"plain one; prompt {peer['long_prompt_tokens_per_s']:.0f} tokens/s ({peer['long_prompt_tokens']} "
+            f"tokens; specstand x{rates[used_rate] / peer['long_prompt_tokens_per_s']:.2f})")
+    if texts:
+        say()
+        say(f"whole calls of {args.calls.name} (prompt with its tools + {args.tokens} tokens, fresh state per call; "
+            f"{args.method} with adaptive verification):")
+        say(f"call | prompt tokens | plain s | {args.method} s | x plain | identical"
+            + (" | llama.cpp plain s | x llama.cpp" if peer else ""))
+        totals = [0.0, 0.0, 0.0]
+        for i, text in enumerate(texts):
+            ids = loaded.tokenizer(text, add_special_tokens=False)["input_ids"]
+            plain, plain_ids = call_seconds(loaded, "none", ids, args.tokens)
+            drafted, drafted_ids = call_seconds(loaded, args.method, ids, args.tokens)
+            theirs = peer["call_seconds"][i] if peer else float("nan")
+            totals = [totals[0] + plain, totals[1] + drafted, totals[2] + theirs]
+            same = "yes" if plain_ids == drafted_ids else "NO"
+            peer_cells = f" | {theirs:17.2f} | {theirs / drafted:12.2f}" if peer else ""
+            say(f"{i:4d} | {len(ids):13d} | {plain:7.2f} | {drafted:7.2f} | {plain / drafted:7.2f} | {same:>9}"
+                + peer_cells)
+        peer_cells = f" | {totals[2]:17.2f} | {totals[2] / totals[1]:12.2f}" if peer else ""
+        say(f" all | {'':13} | {totals[0]:7.2f} | {totals[1]:7.2f} | {totals[0] / totals[1]:7.2f} | {'':9}{peer_cells}")
     say(f"bandwidth after the run: {kernels.read_bandwidth_gbs():.1f} GB/s")
     if args.profile:
         target, rest = profile_step(loaded, prompt_ids, args.tokens)

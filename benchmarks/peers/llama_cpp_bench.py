@@ -3,7 +3,9 @@
 Runs in a Python that has llama-cpp-python (a source build, in its own venv); `benchmarks/pass_cost.py
 --llama-cpp-python PYTHON` calls it and prints what it reports. Prints one JSON object: tokens/s of
 plain and prompt-lookup decoding (medians of the repeats), prompt tokens/s, and whether the speculative
-answer equals the plain one token for token.
+answer equals the plain one token for token; with --long-prompt-file the prompt tokens/s of that text (a
+long prompt: what agent calls are), with --calls-file (a JSON list of prompt texts) the seconds of each
+whole call, prompt and --tokens answer tokens, fresh state per call (plain decoding, medians).
 
     PYTHON benchmarks/peers/llama_cpp_bench.py MODEL.gguf --prompt-file P.txt --tokens 64 --threads 2
 """
@@ -42,6 +44,8 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=64)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--long-prompt-file", help="also: prompt tokens/s of this text")
+    parser.add_argument("--calls-file", help="also: seconds of each call (a JSON list of prompt texts)")
     args = parser.parse_args()
     text = Path(args.prompt_file).read_text()
     results = {}
@@ -55,6 +59,17 @@ def main() -> None:
         results[f"{name}_prompt_tokens_per_s"] = len(prompt) / statistics.median(r[1] for r in runs)
     results["prompt_tokens"] = len(prompt)
     results["speculative_equals_plain"] = answers["plain"] == answers["prompt_lookup"]
+    llm = Llama(args.gguf, n_ctx=8192, n_threads=args.threads, n_batch=512, verbose=False)
+    if args.long_prompt_file:
+        long = llm.tokenize(Path(args.long_prompt_file).read_text().encode(), add_bos=False, special=True)
+        seconds = statistics.median(run(llm, long, 1)[1] for _ in range(args.repeats))
+        results["long_prompt_tokens"], results["long_prompt_tokens_per_s"] = len(long), len(long) / seconds
+    if args.calls_file:
+        calls = [llm.tokenize(text.encode(), add_bos=False, special=True)
+                 for text in json.loads(Path(args.calls_file).read_text())]
+        results["call_prompt_tokens"] = [len(call) for call in calls]
+        results["call_seconds"] = [statistics.median(sum(run(llm, call, args.tokens)[1:]) for _ in range(args.repeats))
+                                   for call in calls]
     print(json.dumps(results))
 
 

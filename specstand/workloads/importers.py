@@ -63,7 +63,10 @@ def import_tool_calls(name: str, wheel: Path, limit: int | None, max_result_char
     turns = []
     for index, task in enumerate(tasks):
         turn = _task_turn(f"{name}-{index}", name, task, specs, max_result_chars, max_tokens)
-        if turn is None or any(_chars(call) > max_prompt_chars for call in turn.calls):
+        if turn is None:
+            continue
+        tools_chars = _listed_tools_chars(turn.calls[0].tools or [], specs)
+        if any(_chars(call) + tools_chars > max_prompt_chars for call in turn.calls):
             continue
         turns.append(turn)
         if limit is not None and len(turns) >= limit:
@@ -126,8 +129,23 @@ def _parameter_schema(param: dict) -> dict:
 
 
 def _chars(call: Call) -> int:
-    tools = len(json.dumps(call.tools, ensure_ascii=False)) if call.tools else 0
-    return sum(len(m["content"]) for m in call.messages or []) + len(call.prompt or "") + tools
+    return sum(len(m["content"]) for m in call.messages or []) + len(call.prompt or "")
+
+
+# --max-prompt-chars counts the tools as the system prompt listed them before they moved to the `tools` field
+# (a compact JSON list and a sentence around it), so a filter picks the turns it picked then: the turns past
+# those the shipped drafters were trained on stay held out.
+_LISTED_TOOLS_FRAME = len("Available tools (JSON):\n\n")
+
+
+def _listed_tools_chars(tools: list[dict], specs: dict) -> int:
+    listed = []
+    for tool in tools:
+        spec = specs[tool["function"]["name"]]
+        params = {name: {"type": p.get("type", "string"), "required": bool(p.get("required"))}
+                  for name, p in (spec.get("query_parameters") or {}).items()}
+        listed.append({"name": spec["name"], "description": spec.get("description", ""), "parameters": params})
+    return _LISTED_TOOLS_FRAME + len(json.dumps(listed, ensure_ascii=False))
 
 
 def import_spec_bench(path: Path, limit: int | None, max_prompt_chars: int, max_tokens: int,

@@ -72,10 +72,15 @@ def test_real_function_specs_become_openai_tools():
         "function"]["parameters"]["properties"]["day"] == {"type": "string"}
 
 
-def test_a_call_over_the_prompt_limit_counts_its_tools(tmp_path):
+def test_a_call_over_the_prompt_limit_counts_its_tools_as_the_system_prompt_listed_them(tmp_path):
+    """The limit counts the tools as the old system prompt listed them (a compact JSON list in a sentence), so a
+    limit selects the turns it selected before tools had their own field: held-out turns stay held out."""
     wheel = _wheel(tmp_path)
     calls = import_tool_calls("complexfuncbench", wheel, None, 100, 10_000, 64)[0].calls
-    tools = len(json.dumps(calls[0].tools))
+    listed = [{"name": s["name"], "description": s["description"], "parameters": {"q": {"type": "string",
+                                                                                      "required": True}}}
+              for s in SPECS]
+    tools = len("Available tools (JSON):\n\n") + len(json.dumps(listed))
     longest = max(sum(len(m["content"]) for m in call.messages) for call in calls)
     assert len(import_tool_calls("complexfuncbench", wheel, None, 100, longest + tools, 64)) == 2
     assert import_tool_calls("complexfuncbench", wheel, None, 100, longest + tools - 1, 64) == []

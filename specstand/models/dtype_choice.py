@@ -31,13 +31,16 @@ class DtypeChoice:
     reason: str  # one line: what was measured, and why this format
 
 
+def _path_note(path: str) -> str:
+    return "" if path in ("amx", "avx512bf16") else f"; this CPU has no bf16 dot products ({path} path)"
+
+
 def choose(costs: dict[str, float], path: str) -> DtypeChoice:
     """The format of least cost (seconds for one linear at each of PASS_ROWS, summed); bf16 on a tie."""
     best = min(costs, key=lambda name: (costs[name], name != "bf16"))
     measured = ", ".join(f"{name} {seconds * 1e3:.2f} ms" for name, seconds in sorted(costs.items()))
-    bf16_dots = "" if path in ("amx", "avx512bf16") else "; this CPU has no bf16 dot products"
-    return DtypeChoice(best, f"dtype auto: {best} (a widest linear at {' and '.join(map(str, PASS_ROWS))} rows "
-                             f"on the {path} path: {measured}{bf16_dots})")
+    return DtypeChoice(best, f"dtype auto: {best} (the widest linear at {' and '.join(map(str, PASS_ROWS))} rows: "
+                             f"{measured}{_path_note(path)})")
 
 
 def measure(n: int, k: int, path: str, repeats: int = 5) -> dict[str, float]:
@@ -89,13 +92,14 @@ def measured_costs(n: int, k: int, path: str) -> dict[str, float]:
 
 def auto_dtype(widest_linear: tuple[int, int] | None, published_blocks: bool) -> DtypeChoice:
     """What `--dtype auto` loads: bf16 unless the model publishes Q8_0 blocks and they measure cheaper here."""
-    if not published_blocks:
-        return DtypeChoice("bf16", "dtype auto: bf16 (the model publishes no Q8_0 blocks to run as they are)")
     try:
         path = kernels.best_path()
         kernels.load()
     except kernels.KernelsUnavailable as reason:
         return DtypeChoice("bf16", f"dtype auto: bf16 (q8_0 needs the compiled kernels: {reason})")
+    if not published_blocks:
+        return DtypeChoice("bf16", "dtype auto: bf16 (the model publishes no Q8_0 blocks to run as they are"
+                                   f"{_path_note(path)})")
     if widest_linear is None:
         return DtypeChoice("bf16", "dtype auto: bf16 (no linear shape to measure)")
     return choose(measured_costs(*widest_linear, path), path)

@@ -91,33 +91,47 @@ __attribute__((target("avx512f,avx512bw,avx512bf16"))) static void tile_avx512bf
 }
 
 // ---- avx2: R rows x NB strips; a strip's 16 columns are two ymm accumulators -------------------------
-// Per k pair the even k's weights of the NB strips are widened once (a shift), then each row's x[2p] is broadcast
-// once and meets all 2 NB of them; then the odd k (a mask). So a pair costs 4 NB weight loads and 2 R broadcasts
-// for 4 R NB FMAs: with R NB = 6 the loads stay well under the FMAs, where re-broadcasting each row for every
-// weight vector was load-bound. Registers: 2 R NB accumulators + 2 NB weights + 1 broadcast <= 16.
+// Two register plans, the same arithmetic (per element: an FMA for k even, then for k odd, per pair, in k order):
+//   rows first (R >= 2): per k the NB strips' weights are widened once (a shift, or a mask for odd k), then each
+//     row's activation is broadcast once and meets all 2 NB of them: 2 R NB accumulators + 2 NB weights + 1.
+//   columns first (1 row): the row's activation stays in a register and each weight vector is widened as it is
+//     used, so 4 strips (8 accumulators) fit.
+// Tile shapes as measured on Zen 4 (weights in L1, thread CPU time, 58 GMAC/s FMA peak a core): 5 x 1 strips
+// 58 (the peak), 4 x 1 54, 2 x 2 54, 3 x 1 44, 1 x 4 (columns first) 49; 6 x 1 (15 of 16 ymm) spills: 39.
+// W[col, 2p + odd] of the 8 columns at `at` (a strip's k pair p, half h: strip + p * 32 + h * 16), as fp32.
+__attribute__((target("avx2"), always_inline)) static inline __m256 widened_bf16(const uint16_t* at, int odd) {
+  const __m256i v = _mm256_load_si256(reinterpret_cast<const __m256i*>(at));
+  return _mm256_castsi256_ps(odd ? _mm256_and_si256(v, _mm256_set1_epi32(int32_t(0xffff0000u)))
+                                 : _mm256_slli_epi32(v, 16));
+}
+
 template <int R, int NB>
 __attribute__((target("avx2,fma"))) static void tile_avx2(
     const PackedLinear& w, int64_t s0, const float* x, int64_t xs, float* y, int64_t ys) {
-  static_assert(2 * R * NB + 2 * NB + 1 <= 16, "accumulators, weights and a broadcast in 16 ymm");
+  constexpr bool rows_first = R >= 2;
+  static_assert(rows_first ? 2 * R * NB + 2 * NB + 1 <= 15 : NB <= 4, "accumulators and operands in 16 ymm");
   __m256 acc[R][NB][2];
   for (int r = 0; r < R; ++r)
     for (int b = 0; b < NB; ++b) acc[r][b][0] = acc[r][b][1] = _mm256_setzero_ps();
   const uint16_t* strips[NB];
   for (int b = 0; b < NB; ++b) strips[b] = w.strip(s0 + b);
-  const __m256i high = _mm256_set1_epi32(int32_t(0xffff0000u));
   const int64_t pairs = w.k_pad / 2;
   for (int64_t p = 0; p < pairs; ++p) {
-    for (int odd = 0; odd < 2; ++odd) {  // W[col, 2p] then W[col, 2p + 1]: each element's k order
-      __m256 wv[NB][2];
-      for (int b = 0; b < NB; ++b)
-        for (int h = 0; h < 2; ++h) {  // columns 0-7, then 8-15 of the strip
-          const __m256i v = _mm256_load_si256(reinterpret_cast<const __m256i*>(strips[b] + p * 32 + h * 16));
-          wv[b][h] = _mm256_castsi256_ps(odd ? _mm256_and_si256(v, high) : _mm256_slli_epi32(v, 16));
-        }
-      for (int r = 0; r < R; ++r) {
-        const __m256 xv = _mm256_broadcast_ss(x + r * xs + 2 * p + odd);
+    for (int odd = 0; odd < 2; ++odd) {
+      if constexpr (rows_first) {
+        __m256 wv[NB][2];
         for (int b = 0; b < NB; ++b)
-          for (int h = 0; h < 2; ++h) acc[r][b][h] = _mm256_fmadd_ps(xv, wv[b][h], acc[r][b][h]);
+          for (int h = 0; h < 2; ++h) wv[b][h] = widened_bf16(strips[b] + p * 32 + h * 16, odd);
+        for (int r = 0; r < R; ++r) {
+          const __m256 xv = _mm256_broadcast_ss(x + r * xs + 2 * p + odd);
+          for (int b = 0; b < NB; ++b)
+            for (int h = 0; h < 2; ++h) acc[r][b][h] = _mm256_fmadd_ps(xv, wv[b][h], acc[r][b][h]);
+        }
+      } else {
+        const __m256 xv = _mm256_broadcast_ss(x + 2 * p + odd);
+        for (int b = 0; b < NB; ++b)
+          for (int h = 0; h < 2; ++h)
+            acc[0][b][h] = _mm256_fmadd_ps(xv, widened_bf16(strips[b] + p * 32 + h * 16, odd), acc[0][b][h]);
       }
     }
   }
@@ -190,11 +204,10 @@ static void linear_avx512bf16(const PackedLinear& w, const float* x, int64_t m, 
   });
 }
 
-// Strips a row tile of R rows takes at once: six accumulators at least (2 FMAs in flight on each of 2 ports for
-// 4 cycles want 8; six rows' 12 do), so fewer rows take more strips.
+// Strips a tile of R rows takes at once (see tile_avx2's measured shapes).
 template <int R>
 constexpr int avx2_strips() {
-  return R >= 3 ? 1 : R == 2 ? 2 : 3;
+  return R >= 3 ? 1 : R == 2 ? 2 : 4;
 }
 
 template <int R>
@@ -206,16 +219,40 @@ static void tile_avx2_strips(const PackedLinear& w, int64_t s0, int64_t nb, cons
   for (; s < s0 + nb; ++s) tile_avx2<R, 1>(w, s, x, xs, y, ys);
 }
 
-// Threads take groups of 6 strips (96 columns; 6 is a multiple of every tile's strips); within a group each tile
-// of up to 6 rows sweeps all its strips while its activations sit in L1 and the group's weights in L2.
+// Rows in tiles of 5, the last ones re-cut so that no tile of 3 or 1 is left where 4 + 2 or 4 + 4 fit.
+static std::vector<int64_t> avx2_row_tiles(int64_t m) {
+  std::vector<int64_t> tiles(m / 5, 5);
+  const int64_t left = m % 5;
+  if (!tiles.empty() && (left == 1 || left == 3)) {
+    tiles.pop_back();
+    tiles.push_back(4);
+    tiles.push_back(left == 1 ? 2 : 4);
+  } else if (left > 0) {
+    tiles.push_back(left);
+  }
+  return tiles;
+}
+
+// Threads take groups of 4 strips (64 columns); within a group each row tile sweeps all its strips while its
+// activations sit in L1 and the group's weights in L2.
 static void linear_avx2(const PackedLinear& w, const float* x, int64_t m, int64_t x_stride, float* y,
                         int64_t y_stride) {
   const std::vector<float> xp = padded_rows(x, m, w.k, x_stride, w.k_pad);
-  for_strip_groups<6>(w, [&](int64_t s0, int64_t nb) {
-    run_rows<6>(m, [&](int64_t r, auto rows) {
-      constexpr int R = decltype(rows)::value;
-      tile_avx2_strips<R>(w, s0, nb, xp.data() + r * w.k_pad, w.k_pad, y + r * y_stride, y_stride);
-    });
+  const std::vector<int64_t> tiles = avx2_row_tiles(m);
+  for_strip_groups<4>(w, [&](int64_t s0, int64_t nb) {
+    int64_t r = 0;
+    for (const int64_t rows : tiles) {
+      const float* xr = xp.data() + r * w.k_pad;
+      float* yr = y + r * y_stride;
+      switch (rows) {
+        case 5: tile_avx2_strips<5>(w, s0, nb, xr, w.k_pad, yr, y_stride); break;
+        case 4: tile_avx2_strips<4>(w, s0, nb, xr, w.k_pad, yr, y_stride); break;
+        case 3: tile_avx2_strips<3>(w, s0, nb, xr, w.k_pad, yr, y_stride); break;
+        case 2: tile_avx2_strips<2>(w, s0, nb, xr, w.k_pad, yr, y_stride); break;
+        default: tile_avx2_strips<1>(w, s0, nb, xr, w.k_pad, yr, y_stride); break;
+      }
+      r += rows;
+    }
   });
 }
 

@@ -297,47 +297,109 @@ struct FixedPointValues {
   std::vector<float> step;      // 2^e per row and block (NaN where the block is not finite, 0 where zero)
 };
 
-static FixedPointValues fixed_point_values(const float* x, int64_t m, int64_t k, int64_t x_stride, int64_t k_pad) {
+// The grid rule of fixed_point_row for one block of x[k0, k1): its step (NaN where a value is not finite, 0 where
+// all are zero) and its values.
+static void fixed_point_block(const float* x, int64_t count, int16_t* values, float* step) {
+  float largest = 0.0f;
+  bool finite = true;
+  for (int64_t i = 0; i < count; ++i) {
+    finite = finite && std::isfinite(x[i]);
+    largest = std::max(largest, std::fabs(x[i]));
+  }
+  if (!finite) {
+    *step = NAN;
+  } else if (largest > 0.0f) {
+    int e;
+    std::frexp(largest / 32639.0f, &e);
+    *step = std::ldexp(1.0f, e);
+    const float inverse = std::ldexp(1.0f, -e);
+    for (int64_t i = 0; i < count; ++i) values[i] = int16_t(std::nearbyint(x[i] * inverse));
+  }
+}
+
+// The same rule on a whole block of 32 with AVX2: vcvtps2dq rounds to nearest even as nearbyint does, and x * 2^-e
+// is exact, so the integers and the step are the scalar rule's (the prompt rows of a linear are many: the scalar
+// loop took longer than the products).
+__attribute__((target("avx2"))) static void fixed_point_block_avx2(const float* x, int16_t* values, float* step) {
+  __m256 v[4], probe = _mm256_setzero_ps(), largest = _mm256_setzero_ps();
+  const __m256 magnitude = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+  for (int i = 0; i < 4; ++i) {
+    v[i] = _mm256_loadu_ps(x + 8 * i);
+    probe = _mm256_add_ps(probe, _mm256_mul_ps(v[i], _mm256_setzero_ps()));  // NaN where any value is not finite
+    largest = _mm256_max_ps(largest, _mm256_and_ps(v[i], magnitude));
+  }
+  if (_mm256_movemask_ps(_mm256_cmp_ps(probe, probe, _CMP_UNORD_Q))) {
+    *step = NAN;
+    return;
+  }
+  alignas(32) float lanes[8];
+  _mm256_store_ps(lanes, largest);
+  const float top = *std::max_element(lanes, lanes + 8);
+  if (top == 0.0f) return;
+  int e;
+  std::frexp(top / 32639.0f, &e);
+  *step = std::ldexp(1.0f, e);
+  const __m256 inverse = _mm256_set1_ps(std::ldexp(1.0f, -e));
+  for (int i = 0; i < 4; i += 2) {  // |values| <= 32639: packing saturates nothing; the permute undoes its lane order
+    const __m256i low = _mm256_cvtps_epi32(_mm256_mul_ps(v[i], inverse));
+    const __m256i high = _mm256_cvtps_epi32(_mm256_mul_ps(v[i + 1], inverse));
+    const __m256i packed = _mm256_permute4x64_epi64(_mm256_packs_epi32(low, high), 0xd8);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(values + 8 * i), packed);
+  }
+}
+
+// `isa` scalar keeps the scalar rule on every block (so the paths' equal bits are tested against it).
+static FixedPointValues fixed_point_values(const float* x, int64_t m, int64_t k, int64_t x_stride, int64_t k_pad,
+                                           Isa isa) {
+  static const bool has_avx2 = cpu_has(Isa::avx2);
+  const bool avx2 = has_avx2 && isa != Isa::scalar;
   const int64_t blocks = k_pad / 32;
   FixedPointValues rows{std::vector<int16_t>(m * k_pad, 0), std::vector<float>(m * blocks, 0.0f)};
   at::parallel_for(0, m, 8, [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r)
       for (int64_t block = 0; block < blocks; ++block) {
-        const int64_t k0 = block * 32, k1 = std::min<int64_t>(k, k0 + 32);
-        float largest = 0.0f;
-        bool finite = true;
-        for (int64_t kk = k0; kk < k1; ++kk) {
-          finite = finite && std::isfinite(x[r * x_stride + kk]);
-          largest = std::max(largest, std::fabs(x[r * x_stride + kk]));
-        }
-        float& step = rows.step[r * blocks + block];
-        if (!finite) {
-          step = NAN;
-        } else if (largest > 0.0f) {  // the grid rule of fixed_point_row
-          int e;
-          std::frexp(largest / 32639.0f, &e);
-          step = std::ldexp(1.0f, e);
-          const float inverse = std::ldexp(1.0f, -e);
-          for (int64_t kk = k0; kk < k1; ++kk)
-            rows.values[r * k_pad + kk] = int16_t(std::nearbyint(x[r * x_stride + kk] * inverse));
+        const int64_t k0 = block * 32, count = std::min<int64_t>(k, k0 + 32) - k0;
+        int16_t* values = rows.values.data() + r * k_pad + k0;
+        float* step = rows.step.data() + r * blocks + block;
+        if (avx2 && count == 32) {
+          fixed_point_block_avx2(x + r * x_stride + k0, values, step);
+        } else {
+          fixed_point_block(x + r * x_stride + k0, count, values, step);
         }
       }
   });
   return rows;
 }
 
-// R rows x NB strips; a strip's 16 columns are two ymm of int32 block sums per row. Per k pair the NB strips'
-// weights are widened to int16 once and each row's pair (x[2p], x[2p + 1]) is broadcast once and meets all of
-// them: 2 NB loads and R broadcasts for 2 R NB vpmaddwd. Registers: 2 R NB sums + 2 NB weights + 1 broadcast.
+// R rows x NB strips; a strip's 16 columns are two ymm of int32 block sums per row. As linear.cpp's avx2 tiles:
+// rows first (R >= 2: each k pair's weights widened to int16 once, each row's pair (x[2p], x[2p + 1]) broadcast
+// once and meeting all of them) or columns first (1 row: its pair in a register, each weight widened as used).
+// Measured on Zen 4 (weights in L1, thread CPU time; vpmaddwd + vpaddd peak about 95 GMAC/s a core): 4 x 1 80,
+// 3 x 1 78, 2 x 2 73, 1 x 4 (columns first) 62; 5 x 1 and 6 x 1 spill (48, 56).
+// 16 int8 at `at` (8 columns' (k even, k odd) pairs of one k pair) widened to int16.
+__attribute__((target("avx2"), always_inline)) static inline __m256i widened_q8(const int8_t* at) {
+  return _mm256_cvtepi8_epi16(_mm_load_si128(reinterpret_cast<const __m128i*>(at)));
+}
+
+// A row's activation pair (x[2p], x[2p + 1]) in every 32-bit lane.
+__attribute__((target("avx2"), always_inline)) static inline __m256i broadcast_pair(const int16_t* at) {
+  int32_t both;
+  std::memcpy(&both, at, 4);
+  return _mm256_set1_epi32(both);
+}
+
 template <int R, int NB>
 __attribute__((target("avx2,fma,f16c"))) static void tile_q8_avx2(const PackedLinear& w, int64_t s0,
                                                                   const FixedPointValues& xv, int64_t r0, float* y,
                                                                   int64_t ys) {
-  static_assert(2 * R * NB + 2 * NB + 1 <= 16, "sums, weights and a broadcast in 16 ymm");
+  constexpr bool rows_first = R >= 2;
+  static_assert(rows_first ? 2 * R * NB + 2 * NB + 1 <= 16 : NB <= 4, "sums and operands in 16 ymm");
   const int64_t blocks = w.k_pad / 32;
   alignas(32) float acc[R][NB][16] = {};
   const int16_t* rows[R];
   for (int r = 0; r < R; ++r) rows[r] = xv.values.data() + (r0 + r) * w.k_pad;
+  const int8_t* strips[NB];
+  for (int b = 0; b < NB; ++b) strips[b] = w.q_strip(s0 + b);
   for (int64_t block = 0; block < blocks; ++block) {
     __m256i sums[R][NB][2];
     for (int r = 0; r < R; ++r)
@@ -345,17 +407,22 @@ __attribute__((target("avx2,fma,f16c"))) static void tile_q8_avx2(const PackedLi
 #pragma GCC unroll 4
     for (int pair = 0; pair < 16; ++pair) {
       const int64_t p = block * 16 + pair;
-      __m256i q[NB][2];  // columns 0-7, then 8-15: 16 int8 = (col, k even), (col, k odd) pairs, as int16
-      for (int b = 0; b < NB; ++b)
-        for (int h = 0; h < 2; ++h)
-          q[b][h] = _mm256_cvtepi8_epi16(
-              _mm_load_si128(reinterpret_cast<const __m128i*>(w.q_strip(s0 + b) + p * 32 + h * 16)));
-      for (int r = 0; r < R; ++r) {
-        int32_t both;
-        std::memcpy(&both, rows[r] + 2 * p, 4);
-        const __m256i xv2 = _mm256_set1_epi32(both);
+      if constexpr (rows_first) {
+        __m256i q[NB][2];
         for (int b = 0; b < NB; ++b)
-          for (int h = 0; h < 2; ++h) sums[r][b][h] = _mm256_add_epi32(sums[r][b][h], _mm256_madd_epi16(q[b][h], xv2));
+          for (int h = 0; h < 2; ++h) q[b][h] = widened_q8(strips[b] + p * 32 + h * 16);
+        for (int r = 0; r < R; ++r) {
+          const __m256i xv2 = broadcast_pair(rows[r] + 2 * p);
+          for (int b = 0; b < NB; ++b)
+            for (int h = 0; h < 2; ++h)
+              sums[r][b][h] = _mm256_add_epi32(sums[r][b][h], _mm256_madd_epi16(q[b][h], xv2));
+        }
+      } else {
+        const __m256i xv2 = broadcast_pair(rows[0] + 2 * p);
+        for (int b = 0; b < NB; ++b)
+          for (int h = 0; h < 2; ++h)
+            sums[0][b][h] =
+                _mm256_add_epi32(sums[0][b][h], _mm256_madd_epi16(widened_q8(strips[b] + p * 32 + h * 16), xv2));
       }
     }
     for (int b = 0; b < NB; ++b)
@@ -422,17 +489,17 @@ static void linear_q8_avx512(const PackedLinear& w, const float* x, int64_t m, i
   });
 }
 
-// As linear.cpp's avx2 tiles: 6 rows a tile, fewer rows over more strips, threads on groups of 6 strips.
+// 4 rows a tile, fewer rows over more strips (tile_q8_avx2's measured shapes), threads on groups of 4 strips.
 template <int R>
 constexpr int q8_avx2_strips() {
-  return R >= 3 ? 1 : R == 2 ? 2 : 3;
+  return R >= 3 ? 1 : R == 2 ? 2 : 4;
 }
 
 static void linear_q8_avx2(const PackedLinear& w, const float* x, int64_t m, int64_t x_stride, float* y,
                            int64_t y_stride) {
-  const FixedPointValues xv = fixed_point_values(x, m, w.k, x_stride, w.k_pad);
-  for_strip_groups<6>(w, [&](int64_t s0, int64_t nb) {
-    run_rows<6>(m, [&](int64_t r, auto rows) {
+  const FixedPointValues xv = fixed_point_values(x, m, w.k, x_stride, w.k_pad, w.isa);
+  for_strip_groups<4>(w, [&](int64_t s0, int64_t nb) {
+    run_rows<4>(m, [&](int64_t r, auto rows) {
       constexpr int R = decltype(rows)::value, NB = q8_avx2_strips<R>();
       int64_t s = s0;
       for (; s + NB <= s0 + nb; s += NB) tile_q8_avx2<R, NB>(w, s, xv, r, y + r * y_stride, y_stride);
@@ -445,7 +512,7 @@ void linear_q8_0(const PackedLinear& w, const float* x, int64_t m, int64_t x_str
   if (m <= 0) return;
   if (vnni_path(w.isa)) return linear_q8_avx512(w, x, m, x_stride, y, y_stride);
   if (w.isa != Isa::scalar) return linear_q8_avx2(w, x, m, x_stride, y, y_stride);  // every AVX-512 CPU has AVX2
-  const FixedPointValues xv = fixed_point_values(x, m, w.k, x_stride, w.k_pad);
+  const FixedPointValues xv = fixed_point_values(x, m, w.k, x_stride, w.k_pad, w.isa);
   for_strip_groups<1>(w, [&](int64_t s, int64_t) { tile_q8_scalar(w, s, xv, m, y, y_stride); });
 }
 
@@ -467,23 +534,31 @@ __attribute__((target("avx512f,avx512bw,avx512vnni"))) static double peak_q8_vnn
   return double(iterations) * 12 * 32 / seconds;  // 64 int8 products per vpdpbusd
 }
 
-// avx2: vpmaddwd (16 int16 products, summed in pairs) and the vpaddd that accumulates it, as the tile runs them.
+// avx2: vpmaddwd (16 int16 products, summed in pairs) and the vpaddd that accumulates it, as a tile meets them:
+// 3 activations x 2 weights into 6 sums. The activations pass through an empty asm each step, so the compiler
+// can neither hoist nor share a product (one product for every chain is what a plainer loop measured).
 __attribute__((target("avx2"))) static double peak_q8_avx2(int64_t iterations) {
-  __m256i acc[12];
+  __m256i acc[6];
   for (auto& a : acc) a = _mm256_setzero_si256();
-  __m256i a = _mm256_set1_epi32(0x00010001), b = _mm256_set1_epi32(0x00010001);
+  __m256i x0 = _mm256_set1_epi32(1), x1 = _mm256_set1_epi32(2), x2 = _mm256_set1_epi32(3);
+  const __m256i w0 = _mm256_set1_epi32(0x00010001), w1 = _mm256_set1_epi32(0x00020001);
   const Stopwatch clock;
-  for (int64_t i = 0; i < iterations; ++i) {
-    for (auto& c : acc) c = _mm256_add_epi32(c, _mm256_madd_epi16(a, b));
-    __asm__ volatile("" : "+x"(a));
+  for (int64_t i = 0; i < iterations * 2; ++i) {
+    __asm__ volatile("" : "+x"(x0), "+x"(x1), "+x"(x2));
+    acc[0] = _mm256_add_epi32(acc[0], _mm256_madd_epi16(x0, w0));
+    acc[1] = _mm256_add_epi32(acc[1], _mm256_madd_epi16(x0, w1));
+    acc[2] = _mm256_add_epi32(acc[2], _mm256_madd_epi16(x1, w0));
+    acc[3] = _mm256_add_epi32(acc[3], _mm256_madd_epi16(x1, w1));
+    acc[4] = _mm256_add_epi32(acc[4], _mm256_madd_epi16(x2, w0));
+    acc[5] = _mm256_add_epi32(acc[5], _mm256_madd_epi16(x2, w1));
   }
   const double seconds = clock.seconds();
-  for (int i = 1; i < 12; ++i) acc[0] = _mm256_add_epi32(acc[0], acc[i]);  // every chain is live
+  for (int i = 1; i < 6; ++i) acc[0] = _mm256_add_epi32(acc[0], acc[i]);  // every chain is live
   alignas(32) int32_t out[8];
   _mm256_store_si256(reinterpret_cast<__m256i*>(out), acc[0]);
   volatile int sink = out[0];
   (void)sink;
-  return double(iterations) * 12 * 16 / seconds;  // 16 multiply-accumulates per vpmaddwd
+  return double(iterations) * 2 * 6 * 16 / seconds;  // 16 multiply-accumulates per vpmaddwd
 }
 
 __attribute__((target("amx-tile,amx-int8,avx512f"))) static double peak_q8_amx(int64_t iterations) {

@@ -51,9 +51,9 @@ __attribute__((target("amx-tile,amx-bf16,avx512f"))) inline void configure_bf16_
   _tile_loadconfig(&config);
 }
 
-// Tile shapes: rows go in tiles of Max (avx512: 6 rows x 4 strips = 24 accumulators of 32 registers; avx2:
-// 6 rows x 1 strip x 2 halves = 12 of 16), the remainder in one smaller tile. Few rows take several strips at
-// once, enough independent accumulators to hide the instruction latency.
+// Tile shapes: rows go in tiles of Max (avx512: 6 rows x 4 strips = 24 accumulators of 32 registers; avx2 q8_0:
+// 4 rows x 1 strip x 2 halves = 8 of 16; avx2 bf16 cuts its own), the remainder in one smaller tile. Few rows take
+// several strips at once, enough independent accumulators to hide the instruction latency.
 template <int R, typename Tile>
 inline void tail_rows(int64_t r, int64_t left, Tile& tile) {
   if constexpr (R > 0) {

@@ -193,8 +193,9 @@ def cmd_train_data(args: argparse.Namespace) -> None:
 def cmd_train(args: argparse.Namespace) -> None:
     from specstand.models import load_model
     from specstand.training import distributed
+    from specstand.training.config import TrainConfig
     from specstand.training.features import TargetFeatures
-    from specstand.training.trainer import TrainConfig, tap_layers_for, train
+    from specstand.training.trainer import tap_layers_for, train
 
     methods = [m.strip() for m in args.method.split(",") if m.strip()]
     if not methods:

@@ -25,10 +25,11 @@ from printed import Printed
 from specstand import kernels
 from specstand.drafters.trained import read_spec
 from specstand.models import load_model
+from specstand.training.config import TrainConfig
 from specstand.training.data import load_datasets
 from specstand.training.evaluate import evaluate_drafter
 from specstand.training.features import TargetFeatures
-from specstand.training.trainer import TrainConfig, tap_layers_for, train
+from specstand.training.trainer import tap_layers_for, train
 
 
 def main() -> None:

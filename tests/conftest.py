@@ -31,8 +31,9 @@ from specstand.models import load_model
 from specstand.runner.compiled import attach_compiled
 from specstand.runner.hybrid import HybridModel
 from specstand.runner.transformer import DecoderModel
+from specstand.training.config import TrainConfig
 from specstand.training.data import generate_rows, save_rows
-from specstand.training.trainer import TrainConfig, train
+from specstand.training.trainer import train
 from specstand.verification import SamplingParams
 from specstand.workloads import Call, Turn
 

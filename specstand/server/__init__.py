@@ -8,7 +8,8 @@ from pathlib import Path
 from specstand.drafters import NgramConfig, default_k, make_drafter
 from specstand.engine import Engine, EngineConfig
 from specstand.models import LoadedModel
-from specstand.server.app import ServerLimits, create_app
+from specstand.server.app import create_app
+from specstand.server.bodies import ServerLimits
 from specstand.server.metrics import ServerMetrics
 from specstand.server.worker import EngineWorker
 

@@ -8,7 +8,6 @@ draft j = 0..D-1 of each block: the token at position a+1+j, which the target ch
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 
@@ -16,6 +15,7 @@ from specstand.drafters.chain import ChainModel
 from specstand.drafters.dflash import DFlashModel
 from specstand.drafters.dflash2 import DFlash2Model
 from specstand.drafters.dspark import DSparkModel
+from specstand.training.config import TrainConfig
 from specstand.training.features import Pack
 from specstand.training.losses import (
     chain_step_loss,
@@ -25,9 +25,6 @@ from specstand.training.losses import (
     exp_position_weights,
     selector_loss,
 )
-
-if TYPE_CHECKING:
-    from specstand.training.trainer import TrainConfig
 
 
 @dataclass

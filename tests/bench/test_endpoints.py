@@ -7,7 +7,7 @@ import httpx
 import uvicorn
 
 from specstand.bench.endpoints import KEEPALIVE_EXPIRY_S, OpenAIEndpoint
-from specstand.cli import KEEP_ALIVE_S
+from specstand.cli.serving import KEEP_ALIVE_S
 from specstand.workloads import Call
 
 

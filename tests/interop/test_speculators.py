@@ -12,8 +12,9 @@ from specstand.drafters import make_drafter
 from specstand.drafters.trained import DrafterLoadError, read_drafter
 from specstand.engine import DecodeStats, Engine, EngineConfig, Request
 from specstand.interop.speculators import export_speculators, import_dflash_zlab, import_speculators
+from specstand.training.config import TrainConfig
 from specstand.training.data import load_rows
-from specstand.training.trainer import TrainConfig, train
+from specstand.training.trainer import train
 from tests.conftest import LONG_RUN
 
 

@@ -101,7 +101,7 @@ def test_a_failed_request_logs_its_traceback_with_the_client_id(server, caplog, 
         raise RuntimeError("worker exploded")
 
     monkeypatch.setattr(server.worker, "submit", broken)
-    with caplog.at_level(logging.ERROR, logger="specstand.server.app"):
+    with caplog.at_level(logging.ERROR, logger="specstand.server"):
         reply = httpx.post(server.url + "/v1/chat/completions", json={"messages": ASK, "max_tokens": 4},
                            headers={"Authorization": f"Bearer {KEY}"}, timeout=30)
     assert reply.status_code == 500 and reply.json()["error"]["type"] == "internal_error"
@@ -141,7 +141,7 @@ def test_a_request_failed_in_the_engine_is_logged_with_its_traceback_and_id(serv
     request_id, records = _failed_request(server, caplog)
     [engine] = [r for r in records if r.name == "specstand.engine.engine"]
     assert engine.exc_info and "pass exploded" in str(engine.exc_info[1])
-    [served] = [r for r in records if r.name == "specstand.server.app"]
+    [served] = [r for r in records if r.name == "specstand.server.completions"]
     engine_request = engine.getMessage().split()[2]  # "engine request N failed"
     assert request_id in served.getMessage() and f"(engine request {engine_request})" in served.getMessage()
 
@@ -154,7 +154,7 @@ def test_a_failed_engine_step_is_logged_by_the_worker(server, caplog, monkeypatc
     request_id, records = _failed_request(server, caplog)
     [worker] = [r for r in records if r.name == "specstand.server.worker"]
     assert worker.levelno == logging.ERROR and "step exploded" in str(worker.exc_info[1])
-    assert any(request_id in r.getMessage() for r in records if r.name == "specstand.server.app")
+    assert any(request_id in r.getMessage() for r in records if r.name == "specstand.server.completions")
     monkeypatch.undo()
     assert server.client.chat.completions.create(model=server.client.models.list().data[0].id, messages=ASK,
                                                  max_tokens=4).choices[0].message.content

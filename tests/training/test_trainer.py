@@ -12,11 +12,12 @@ from safetensors.torch import load_file
 from specstand.drafters import make_drafter
 from specstand.drafters.trained import TRAINED, load_drafter_model, read_spec
 from specstand.engine import DecodeStats, Engine, EngineConfig, Request
+from specstand.training.config import TrainConfig
 from specstand.training.data import load_rows, subset_turn
 from specstand.training.features import TargetFeatures, pack_rows
 from specstand.training.losses import dpace_weights, target_to_draft
 from specstand.training.objectives import BLOCK_OBJECTIVES, chain_objective
-from specstand.training.trainer import TRAINER_STATE, TrainConfig, train, training_figure
+from specstand.training.trainer import TRAINER_STATE, train, training_figure
 from specstand.verification import SamplingParams
 from tests.conftest import FORWARDS, LONG_RUN, tiny_decoder
 

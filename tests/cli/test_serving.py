@@ -1,28 +1,20 @@
-"""The CLI on a tiny local model: real output, and one readable line + non-zero exit on bad input."""
+"""generate and serve on a tiny local model: real output, and one readable line + non-zero exit on bad input."""
 
 from __future__ import annotations
 
-import argparse
 import json
-import subprocess
-import sys
 
 import pytest
 
 from specstand.cli import main
+from tests.cli import run_cli
 from tests.conftest import KERNEL_PATHS
-
-
-def _run(capsys, *argv: str) -> tuple[int, str, str]:
-    code = main(list(argv))
-    captured = capsys.readouterr()
-    return code, captured.out, captured.err
 
 
 def test_generate_json_with_every_method(capsys, tiny_model_dir):
     outputs = {}
     for method, flags in (("none", []), ("ngram", []), ("suffix", []), ("suffix", ["--no-adaptive"]), ("schema", [])):
-        code, out, _ = _run(capsys, "generate", "--model", str(tiny_model_dir), "--method", method,
+        code, out, _ = run_cli(capsys, "generate", "--model", str(tiny_model_dir), "--method", method,
                             "--prompt", "w3 w4 w5 w3 w4 w5 w3 w4", "--max-tokens", "12", "--json", *flags)
         assert code == 0
         result = json.loads(out)
@@ -36,11 +28,11 @@ def test_generate_json_with_every_method(capsys, tiny_model_dir):
 
 def test_speculative_config_turns_adaptive_verification_off_or_refuses_a_non_boolean(capsys, tiny_model_dir):
     argv = ["generate", "--model", str(tiny_model_dir), "--prompt", "w3 w4 w3 w4", "--max-tokens", "4", "--json"]
-    code, out, _ = _run(capsys, *argv, "--speculative-config", '{"method": "suffix", "adaptive": false}')
+    code, out, _ = run_cli(capsys, *argv, "--speculative-config", '{"method": "suffix", "adaptive": false}')
     assert code == 0 and json.loads(out)["adaptive"] is False
-    code, out, _ = _run(capsys, *argv, "--speculative-config", '{"method": "suffix"}')
+    code, out, _ = run_cli(capsys, *argv, "--speculative-config", '{"method": "suffix"}')
     assert code == 0 and json.loads(out)["adaptive"] is True
-    code, out, err = _run(capsys, *argv, "--speculative-config", '{"method": "suffix", "adaptive": "no"}')
+    code, out, err = run_cli(capsys, *argv, "--speculative-config", '{"method": "suffix", "adaptive": "no"}')
     assert code != 0 and out == "" and "adaptive must be true or false" in err
 
 
@@ -48,7 +40,7 @@ def test_speculative_config_turns_adaptive_verification_off_or_refuses_a_non_boo
 def test_generate_on_q8_0_weights_is_exact_and_lossless(capsys, tiny_model_dir):
     answers = []
     for method in ("none", "suffix"):
-        code, out, _ = _run(capsys, "generate", "--model", str(tiny_model_dir), "--dtype", "q8_0", "--method",
+        code, out, _ = run_cli(capsys, "generate", "--model", str(tiny_model_dir), "--dtype", "q8_0", "--method",
                             method, "--prompt", "w3 w4 w5 w3 w4 w5 w3 w4", "--max-tokens", "12", "--json")
         assert code == 0
         result = json.loads(out)
@@ -59,7 +51,7 @@ def test_generate_on_q8_0_weights_is_exact_and_lossless(capsys, tiny_model_dir):
 
 def test_q8_0_without_the_kernels_is_one_line(capsys, tiny_model_dir, monkeypatch):
     monkeypatch.setenv("SPECSTAND_KERNEL_PATH", "python")
-    code, out, err = _run(capsys, "generate", "--model", str(tiny_model_dir), "--dtype", "q8_0", "--prompt", "w1")
+    code, out, err = run_cli(capsys, "generate", "--model", str(tiny_model_dir), "--dtype", "q8_0", "--prompt", "w1")
     assert code != 0 and out == ""
     assert len(err.strip().splitlines()) == 1 and "compiled kernels" in err
 
@@ -67,7 +59,7 @@ def test_q8_0_without_the_kernels_is_one_line(capsys, tiny_model_dir, monkeypatc
 def test_messages_file_uses_the_chat_template(capsys, tiny_model_dir, tmp_path):
     messages = tmp_path / "messages.json"
     messages.write_text(json.dumps([{"role": "user", "content": "w7 w8 w9"}]))
-    code, out, _ = _run(capsys, "generate", "--model", str(tiny_model_dir), "--messages-file", str(messages),
+    code, out, _ = run_cli(capsys, "generate", "--model", str(tiny_model_dir), "--messages-file", str(messages),
                         "--max-tokens", "4", "--json", "--temperature", "0.8", "--seed", "3")
     assert code == 0
     assert json.loads(out)["prompt_tokens"] == 3
@@ -85,13 +77,13 @@ def test_messages_file_uses_the_chat_template(capsys, tiny_model_dir, tmp_path):
 )
 def test_bad_arguments_give_one_line(capsys, tiny_model_dir, extra, message):
     argv = ["generate", "--model", str(tiny_model_dir), "--prompt", "w1 w2", *extra]
-    code, out, err = _run(capsys, *argv)
+    code, out, err = run_cli(capsys, *argv)
     assert code != 0 and out == ""
     assert len(err.strip().splitlines()) == 1 and message in err
 
 
 def test_unknown_model_and_bad_messages_files(capsys, tiny_model_dir, tmp_path):
-    code, _, err = _run(capsys, "generate", "--model", "no-such-model", "--prompt", "hi")
+    code, _, err = run_cli(capsys, "generate", "--model", "no-such-model", "--prompt", "hi")
     assert code != 0 and "unknown model" in err and len(err.strip().splitlines()) == 1
     broken = tmp_path / "broken.json"
     broken.write_text("[{not json")
@@ -99,43 +91,19 @@ def test_unknown_model_and_bad_messages_files(capsys, tiny_model_dir, tmp_path):
     wrong_shape.write_text(json.dumps([{"role": "user"}]))
     for path, message in ((tmp_path / "missing.json", "cannot read"), (broken, "not valid JSON"),
                           (wrong_shape, "needs string 'role' and 'content'")):
-        code, _, err = _run(capsys, "generate", "--model", str(tiny_model_dir), "--messages-file", str(path))
+        code, _, err = run_cli(capsys, "generate", "--model", str(tiny_model_dir), "--messages-file", str(path))
         assert code != 0 and message in err and len(err.strip().splitlines()) == 1
-
-
-def test_console_entry_point_has_no_traceback(tiny_model_dir):
-    done = subprocess.run(
-        [sys.executable, "-m", "specstand.cli", "generate", "--model", str(tiny_model_dir), "--prompt", "w1",
-         "--max-tokens", "-5"],
-        capture_output=True, text=True, timeout=300,
-    )
-    assert done.returncode != 0
-    assert done.stderr.strip() == "specstand: error: --max-tokens must be > 0"
-
-
-def test_workload_import_skips_turns(capsys, tmp_path):
-    questions = tmp_path / "q.jsonl"
-    questions.write_text("\n".join(json.dumps({"question_id": i, "category": "qa", "turns": [f"q{i}"]})
-                                   for i in range(5)))
-    out = tmp_path / "w.jsonl"
-    code, _, _ = _run(capsys, "workload", "import", "spec-bench", "--spec-bench-file", str(questions),
-                      "--out", str(out), "--skip", "3", "--limit", "1")
-    assert code == 0
-    assert [json.loads(line)["turn_id"] for line in out.read_text().splitlines()] == ["spec-bench-3"]
-    code, _, err = _run(capsys, "workload", "import", "spec-bench", "--spec-bench-file", str(questions),
-                        "--out", str(out), "--skip", "-1")
-    assert code != 0 and err.strip() == "specstand: error: --skip must be >= 0"
 
 
 def test_vllm_speculative_config_stands_for_method_k_and_ngram_sizes(capsys, tiny_model_dir):
     config = ('{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 2, "prompt_lookup_max": 4, '
               '"adaptive": false}')
-    code, out, _ = _run(capsys, "generate", "--model", str(tiny_model_dir), "--speculative-config", config,
+    code, out, _ = run_cli(capsys, "generate", "--model", str(tiny_model_dir), "--speculative-config", config,
                         "--prompt", "w3 w4 w5 w3 w4 w5 w3 w4", "--max-tokens", "12", "--json")
     assert code == 0
     stats = json.loads(out)["stats"]
     assert stats["passes_with_draft"] > 0 and 0 < len(stats["drafted_per_position"]) <= 3  # K from the config
-    code, out, _ = _run(capsys, "generate", "--model", str(tiny_model_dir), "--speculative-config",
+    code, out, _ = run_cli(capsys, "generate", "--model", str(tiny_model_dir), "--speculative-config",
                         '{"method": "schema", "num_speculative_tokens": 4}', "--prompt", "w3 w4", "--max-tokens", "4",
                         "--json")
     assert code == 0 and json.loads(out)["method"] == "schema"
@@ -146,10 +114,10 @@ def test_vllm_speculative_config_stands_for_method_k_and_ngram_sizes(capsys, tin
         ('{"method": "suffix", "prompt_lookup_max": 4}', "belong to method ngram"),
         ('{"method": "ngram", "num_speculative_tokens": "five"}', "must be an integer"),
     ]:
-        code, _, err = _run(capsys, "generate", "--model", str(tiny_model_dir), "--speculative-config", bad,
+        code, _, err = run_cli(capsys, "generate", "--model", str(tiny_model_dir), "--speculative-config", bad,
                             "--prompt", "w3")
         assert code == 2 and message in err and len(err.strip().splitlines()) == 1, err
-    code, _, err = _run(capsys, "generate", "--model", str(tiny_model_dir), "--speculative-config", config,
+    code, _, err = run_cli(capsys, "generate", "--model", str(tiny_model_dir), "--speculative-config", config,
                         "--method", "suffix", "--prompt", "w3")
     assert code == 2 and "not both" in err
 
@@ -196,7 +164,7 @@ def test_serve_takes_vllm_spellings(monkeypatch):
 
 
 def test_tool_call_parser_names_match_the_server():
-    from specstand.cli import TOOL_CALL_PARSERS
+    from specstand.cli.serving import TOOL_CALL_PARSERS
     from specstand.server.tool_calls import PARSERS
 
     assert tuple(TOOL_CALL_PARSERS) == PARSERS
@@ -211,37 +179,6 @@ def test_tool_call_parser_names_match_the_server():
     (["m", "--port", "70000"], "--port"),
 ])
 def test_serve_refuses_bad_flags_before_loading(capsys, argv, words):
-    code, out, err = _run(capsys, "serve", *argv)
+    code, out, err = run_cli(capsys, "serve", *argv)
     assert code == 2 and out == ""
     assert len(err.strip().splitlines()) == 1 and words in err
-
-
-def test_debug_prints_the_traceback(capsys, monkeypatch):
-    argv = ("generate", "--model", "/no/such/model", "--prompt", "w1")
-    code, _, err = _run(capsys, *argv)
-    assert code == 1 and len(err.strip().splitlines()) == 1 and "Traceback" not in err
-    monkeypatch.setenv("SPECSTAND_DEBUG", "1")
-    code, _, err = _run(capsys, *argv)
-    lines = err.strip().splitlines()
-    assert code == 1 and lines[0].startswith("Traceback")
-    assert lines[-1].startswith("specstand: error: cannot load model")
-
-
-def _options(parser: argparse.ArgumentParser):
-    """Every argument of every command, as (command, argument)."""
-    for action in parser._actions:
-        if isinstance(action, argparse._SubParsersAction):
-            for sub in action.choices.values():
-                yield from _options(sub)
-        elif not isinstance(action, argparse._HelpAction):
-            yield parser.prog, action
-
-
-def test_every_flag_of_every_command_has_help():
-    from specstand.cli import build_parser
-
-    found = list(_options(build_parser()))
-    assert len(found) > 100  # the walk reached the commands' own flags
-    missing = [f"{command} {'/'.join(action.option_strings) or action.dest}" for command, action in found
-               if not (action.help or "").strip()]
-    assert missing == []

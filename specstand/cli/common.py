@@ -1,0 +1,23 @@
+"""What every command family shares: the one-line error, the parser that raises it, logging to stderr."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+DTYPE_CHOICES = ["bf16", "fp32", "q8_0"]  # models/loading.py DTYPES
+DTYPE_HELP = "weights: bf16, fp32, or q8_0 (bf16 model, linears as Q8_0 blocks: about half the bytes a pass reads)"
+API_KEY_ENV = "SPECSTAND_API_KEY"
+
+
+class CliError(Exception):
+    """A user-facing error: printed as one line, exit code 2."""
+
+
+class CliParser(argparse.ArgumentParser):
+    def error(self, message: str) -> None:  # one line instead of usage + message
+        raise CliError(message)
+
+
+def log(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)

@@ -7,6 +7,8 @@ import sys
 
 DTYPE_CHOICES = ["bf16", "fp32", "q8_0"]  # models/loading.py DTYPES
 DTYPE_HELP = "weights: bf16, fp32, or q8_0 (bf16 model, linears as Q8_0 blocks: about half the bytes a pass reads)"
+AUTO_DTYPE_HELP = (DTYPE_HELP + "; auto (the default): whichever of bf16 and the model's published Q8_0 blocks "
+                   "measures cheaper on this CPU, said in one line at start")
 API_KEY_ENV = "SPECSTAND_API_KEY"
 
 

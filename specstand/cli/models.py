@@ -33,8 +33,13 @@ def cmd_models(args: argparse.Namespace) -> None:
 
 def cmd_doctor(args: argparse.Namespace) -> None:
     from specstand import kernels
+    from specstand.models import dtype_choice
+    from specstand.models.presets import PRESETS, is_fetched, preset_dir
 
     for line in kernels.describe():
+        print(line)
+    fetched = {name: preset_dir(name) for name in PRESETS if is_fetched(name)}
+    for line in dtype_choice.describe(fetched) if fetched else ["presets: none fetched (specstand models fetch NAME)"]:
         print(line)
 
 

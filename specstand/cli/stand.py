@@ -7,7 +7,7 @@ import os
 from collections.abc import Callable
 from pathlib import Path
 
-from specstand.cli.common import API_KEY_ENV, DTYPE_CHOICES, DTYPE_HELP, CliError, CliParser, log
+from specstand.cli.common import API_KEY_ENV, AUTO_DTYPE_HELP, DTYPE_CHOICES, CliError, CliParser, log
 from specstand.cli.target import apply_speculative_config
 from specstand.drafters import METHODS
 
@@ -52,7 +52,7 @@ def add_parsers(commands: argparse._SubParsersAction) -> None:
                        help="also serve a target configured by vLLM's JSON (repeatable; needs --model)")
     bench.add_argument("--k", type=int, default=None,
                        help="draft tokens per pass (default 5; block drafters: the drafts of one block)")
-    bench.add_argument("--dtype", default="bf16", choices=DTYPE_CHOICES, help=DTYPE_HELP)
+    bench.add_argument("--dtype", default="auto", choices=[*DTYPE_CHOICES, "auto"], help=AUTO_DTYPE_HELP)
     bench.add_argument("--max-seq-len", type=int, default=None,
                        help="context of each specstand server (default: the workload's longest call needs)")
     bench.add_argument("--max-batch", type=int, default=8, help="requests each specstand server decodes together")

@@ -6,7 +6,7 @@ import argparse
 import json
 from pathlib import Path
 
-from specstand.cli.common import DTYPE_CHOICES, DTYPE_HELP, CliError
+from specstand.cli.common import AUTO_DTYPE_HELP, DTYPE_CHOICES, CliError
 from specstand.drafters import METHODS
 
 # vLLM's speculative methods -> ours
@@ -31,10 +31,10 @@ def add_target_args(parser: argparse.ArgumentParser, vllm_spellings: bool = Fals
                         help="most draft tokens verified per pass (default 5; DFlash: block size - 1)")
     parser.add_argument("--drafter", type=Path, default=None, help="trained drafter folder (default: shipped one)")
     if vllm_spellings:
-        parser.add_argument("--dtype", default="bf16", type=parse_dtype,
-                            help=DTYPE_HELP + "; or vLLM's bfloat16, float32, auto (bf16)")
+        parser.add_argument("--dtype", default="auto", type=parse_dtype,
+                            help=AUTO_DTYPE_HELP + "; or vLLM's bfloat16, float32")
     else:
-        parser.add_argument("--dtype", default="bf16", choices=DTYPE_CHOICES, help=DTYPE_HELP)
+        parser.add_argument("--dtype", default="auto", choices=[*DTYPE_CHOICES, "auto"], help=AUTO_DTYPE_HELP)
     parser.add_argument("--max-seq-len", *(["--max-model-len"] if vllm_spellings else []), dest="max_seq_len",
                         type=int, default=2048, help="context (cache capacity) per request")
     parser.add_argument("--speculative-config", default=None,

@@ -10,7 +10,7 @@ import torch
 from specstand.kernels import KernelsUnavailable
 from specstand.models import gguf_blocks
 from specstand.models.chat import render_chat
-from specstand.models.dtype_choice import auto_dtype
+from specstand.models.dtype_choice import auto_dtype, widest_linear
 from specstand.models.presets import PRESETS, fetch, preset_dir
 from specstand.runner.compiled import attach_compiled
 from specstand.runner.generic import TransformersModel
@@ -94,15 +94,16 @@ def load_model(model: str, dtype: str = "bf16", max_seq_len: int = 2048, log=pri
     if dtype not in (*DTYPES, "auto"):
         raise ModelError(f"unknown dtype {dtype!r} (choose from {', '.join(DTYPES)}, auto)")
     path = resolve_model_path(model, log=log)
-    if dtype == "auto":
-        choice = auto_dtype(_widest_linear(path), (Path(path) / gguf_blocks.FILE).is_file())
-        log(choice.reason)
-        dtype = choice.dtype
     try:
-        hf_model = AutoModelForCausalLM.from_pretrained(path, dtype=DTYPES[dtype]).eval()
+        # auto picks bf16 or q8_0, and both load the model in bf16
+        hf_model = AutoModelForCausalLM.from_pretrained(path, dtype=DTYPES.get(dtype, torch.bfloat16)).eval()
         tokenizer = AutoTokenizer.from_pretrained(path)
     except OSError as error:
         raise ModelError(f"cannot load model {model!r}: {str(error).splitlines()[0]}") from None
+    if dtype == "auto":
+        choice = auto_dtype(widest_linear(Path(path)), (Path(path) / gguf_blocks.FILE).is_file())
+        log(choice.reason)
+        dtype = choice.dtype
     max_positions = min(max_seq_len, getattr(hf_model.config, "max_position_embeddings", max_seq_len))
     weight_format = "q8_0" if dtype == "q8_0" else "bf16"
     published = gguf_blocks.read(Path(path)) if weight_format == "q8_0" else None
@@ -121,20 +122,6 @@ def load_model(model: str, dtype: str = "bf16", max_seq_len: int = 2048, log=pri
     except OSError:
         pass  # no generation_config.json
     return LoadedModel(model, path, decoder, tokenizer, frozenset(stop_ids), max_positions)
-
-
-def _widest_linear(path: str) -> tuple[int, int] | None:
-    """(n, k) of the fused gate/up linear, from the model's config.json (None where it names no sizes)."""
-    import json
-
-    try:
-        config = json.loads((Path(path) / "config.json").read_text())
-    except (OSError, ValueError):
-        return None
-    config = config.get("text_config", config)
-    if not {"intermediate_size", "hidden_size"} <= set(config):
-        return None
-    return 2 * config["intermediate_size"], config["hidden_size"]
 
 
 def target_model(hf_model, max_positions: int, log=print, weight_format: str = "bf16",

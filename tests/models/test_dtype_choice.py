@@ -13,7 +13,7 @@ from tests.conftest import KERNEL_PATHS
 @pytest.mark.parametrize(("costs", "expected"), [
     ({"bf16": 0.010, "q8_0": 0.006}, "q8_0"),
     ({"bf16": 0.004, "q8_0": 0.006}, "bf16"),
-    ({"bf16": 0.005, "q8_0": 0.005}, "bf16"),  # a tie keeps the unquantized format
+    ({"bf16": 0.010, "q8_0": 0.0096}, "bf16"),  # within the margin the unquantized weights stay
 ])
 def test_the_cheaper_measured_format_is_chosen(costs, expected):
     choice = dtype_choice.choose(costs, "avx2")

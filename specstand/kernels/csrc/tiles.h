@@ -6,7 +6,7 @@
 #include <immintrin.h>
 
 #include <algorithm>
-#include <chrono>
+#include <ctime>
 #include <type_traits>
 #include <vector>
 
@@ -14,10 +14,16 @@
 
 namespace specstand {
 
-// Wall time of the peak-rate loops.
+// The calling thread's CPU time, for the peak-rate loops (single-threaded register loops): on a host whose
+// neighbours take turns on the core, wall time would count their turns too.
 struct Stopwatch {
-  std::chrono::steady_clock::time_point start = std::chrono::steady_clock::now();
-  double seconds() const { return std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count(); }
+  double start = now();
+  static double now() {
+    timespec t;
+    clock_gettime(CLOCK_THREAD_CPUTIME_ID, &t);
+    return double(t.tv_sec) + 1e-9 * double(t.tv_nsec);
+  }
+  double seconds() const { return now() - start; }
 };
 
 // Tiles 0-6 zeroed: the operands and accumulators of the peak-rate loops (configured by the caller).

@@ -16,7 +16,7 @@ $(VENV)/.installed: pyproject.toml
 install: $(VENV)/.installed
 
 lint: install
-	$(PY) -m ruff check specstand tests benchmarks
+	$(PY) -m ruff check specstand tests benchmarks examples
 
 test: lint
 	$(PY) -m pytest -q

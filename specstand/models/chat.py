@@ -1,8 +1,10 @@
 """Chat messages through a model's chat template, tool conversations included on every model.
 
 A template that knows tools (its source mentions `tools` or `tool_calls`) gets the messages and `tools` as
-they are. One that does not (SmolLM2's) or that fails on them gets the conversation in this text form,
-which any template that renders system/user/assistant turns can lay out:
+they are, except that a call's arguments, which OpenAI sends as JSON text, go in as the object they spell (as
+vLLM passes them: Qwen's template writes them with `tojson`, and a string there teaches the model to write its
+next calls' arguments as escaped strings). One that does not (SmolLM2's) or that fails on them gets the
+conversation in this text form, which any template that renders system/user/assistant turns can lay out:
 
 - the offered tools: appended to the first system message (one is added if there is none) as
   "You can call these tools. To call one, answer with <tool_call>{"name": ..., "arguments": {...}}</tool_call>."
@@ -40,7 +42,7 @@ def render_chat(tokenizer, messages: list[dict], tools: list[dict] | None = None
         return _apply(tokenizer, messages, None)
     if template_knows_tools(tokenizer.chat_template):
         try:
-            return _apply(tokenizer, messages, tools)
+            return _apply(tokenizer, [_with_argument_objects(m) for m in messages], tools)
         except Exception:  # noqa: BLE001 - the text form below renders on any template
             pass
     return _apply(tokenizer, tools_as_text(messages, tools), None)
@@ -79,9 +81,23 @@ def tools_as_text(messages: list[dict], tools: list[dict] | None) -> list[dict]:
 
 def _call_text(call: dict) -> str:
     function = call.get("function") or {}
-    arguments = function.get("arguments")
-    if isinstance(arguments, str):  # OpenAI sends them as JSON text: written back as the object they spell
-        with contextlib.suppress(json.JSONDecodeError):  # else kept as the text it is
-            arguments = json.loads(arguments)
-    return "<tool_call>" + json.dumps({"name": function.get("name"), "arguments": arguments},
+    return "<tool_call>" + json.dumps({"name": function.get("name"), "arguments": _arguments(function)},
                                       ensure_ascii=False) + "</tool_call>"
+
+
+def _arguments(function: dict) -> object:
+    """A call's arguments: OpenAI sends them as JSON text, read back as the object they spell (text that is not
+    JSON is kept as it is)."""
+    arguments = function.get("arguments")
+    if isinstance(arguments, str):
+        with contextlib.suppress(json.JSONDecodeError):
+            return json.loads(arguments)
+    return arguments
+
+
+def _with_argument_objects(message: dict) -> dict:
+    if not message.get("tool_calls"):
+        return message
+    calls = [{**call, "function": {**(call.get("function") or {}), "arguments": _arguments(call.get("function") or {})}}
+             for call in message["tool_calls"]]
+    return {**message, "tool_calls": calls}

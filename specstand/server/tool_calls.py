@@ -10,20 +10,23 @@ Two parsers:
 
 A candidate becomes a call only if it parses and names a tool the request offered; anything else stays
 content, as written. Content is the text outside the calls, with the whitespace that separated it from a
-call dropped. While streaming, text that may be the start of a call (a partial tag or fence, an open
-object) is held back until it is decided, so a client never sees half a tag as content. The whole-answer
-parse runs the streaming parser over the whole text, so the two can never disagree.
+call dropped, and the commas or semicolons written after a call (`{...}, {...}`: a list without brackets).
+While streaming, text that may be the start of a call (a partial tag or fence, an open object) is held back
+until it is decided, so a client never sees half a tag as content. The whole-answer parse runs the
+streaming parser over the whole text, so the two can never disagree.
 """
 
 from __future__ import annotations
 
 import json
+import re
 import uuid
 from dataclasses import dataclass
 
 PARSERS = ("hermes", "json")
 TAG_OPEN, TAG_CLOSE = "<tool_call>", "</tool_call>"
 FENCE = "```"
+AFTER_CALL = re.compile(r"[\s,;]*")  # what separates a call from the next one: not content
 
 
 @dataclass(frozen=True)
@@ -177,7 +180,7 @@ class ToolCallStream:
     # whitespace is held until content follows it: none is left at the ends of the content, and the text
     # on both sides of a call is joined by the whitespace written before the call
     _pending_space: str = ""
-    _after_call: bool = False  # the content's leading whitespace after a call is dropped
+    _after_call: bool = False  # the content's leading whitespace and separators after a call are dropped
     _said: bool = False  # some content was handed out
     _bare_scan: _JsonScan | None = None  # of the bare candidate being read
 
@@ -227,7 +230,7 @@ class ToolCallStream:
 
     def _content(self, text: str, items: list[str | ToolCall]) -> None:
         if self._after_call:
-            text = text.lstrip()
+            text = text[AFTER_CALL.match(text).end():]
             if not text:
                 return
             self._after_call = False

@@ -63,3 +63,14 @@ def test_a_template_that_knows_tools_gets_them_and_falls_back_only_when_it_fails
                                "{% for m in messages %}{{ m.role }}:{{ m.content }}|{% endfor %}")
     text = render_chat(tokenizer, CONVERSATION, TOOLS)
     assert text.startswith("system:" + TOOLS_PREAMBLE) and "user:<tool_response>3 events</tool_response>" in text
+
+
+def test_a_template_that_knows_tools_gets_call_arguments_as_objects(tokenizer):
+    # as vLLM passes them: Qwen's template writes arguments with tojson, and a JSON string there is escaped
+    tokenizer.chat_template = ("{% for m in messages %}{% for c in m.tool_calls or [] %}"
+                               "{{ c.function.arguments | tojson }};{% endfor %}{% endfor %}{{ tools | length }}")
+    assert render_chat(tokenizer, CONVERSATION, TOOLS) == '{"city": "Oslo"};{"city": "Bergen"};1'
+    not_json = [{**CONVERSATION[1], "tool_calls": [{"id": "c3", "type": "function",
+                                                    "function": {"name": "find", "arguments": "{city"}}]}]
+    assert render_chat(tokenizer, not_json, TOOLS) == '"{city";1'  # not JSON: kept as the text it is
+

@@ -9,7 +9,11 @@ import pytest
 
 from specstand.server.tool_calls import ToolCall, ToolCallStream, offered_tool_names, parse_answer
 
-CASES = json.loads((Path(__file__).parent / "fixtures" / "tool_call_answers.json").read_text())
+FIXTURES = Path(__file__).parent / "fixtures"
+# forms quoted from the presets' answers, then real answers of the Qwen preset as recorded by
+# fixtures/record_tool_call_answers.py (the file says how)
+CASES = [*json.loads((FIXTURES / "tool_call_answers.json").read_text()),
+         *json.loads((FIXTURES / "tool_call_answers_qwen2.5-coder-0.5b.json").read_text())["cases"]]
 
 
 def _calls(calls: list[ToolCall]) -> list[list]:

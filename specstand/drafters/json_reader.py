@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 from collections.abc import Iterator
 from dataclasses import dataclass, field, replace
+from typing import Self
 
 TAG_OPEN, TAG_CLOSE = "<tool_call>", "</tool_call>"
 FENCE_OPEN, FENCE_CLOSE = "```json", "```"
@@ -204,8 +205,15 @@ class _Object:
         return replace(self, keys=list(self.keys), strings=dict(self.strings))
 
 
+class _FlatFrame:
+    """A frame whose fields are never changed in place: a shallow copy is a full one."""
+
+    def copy(self) -> Self:
+        return replace(self)
+
+
 @dataclass
-class _Array:
+class _Array(_FlatFrame):
     schema: dict
     count: int = 0
     phase: str = "open"  # open (after '['), value (after ','), next (after a value)
@@ -215,30 +223,21 @@ class _Array:
         items = self.schema.get("items")
         return items if isinstance(items, dict) else {}
 
-    def copy(self) -> _Array:
-        return replace(self)
-
 
 @dataclass
-class _String:
+class _String(_FlatFrame):
     schema: dict
     is_key: bool
     text: str = ""
     escaped: bool = False
 
-    def copy(self) -> _String:
-        return replace(self)
-
 
 @dataclass
-class _Scalar:
+class _Scalar(_FlatFrame):
     """A number or keyword being written."""
 
     schema: dict
     text: str
-
-    def copy(self) -> _Scalar:
-        return replace(self)
 
 
 _Frame = _Object | _Array | _String | _Scalar

@@ -1,7 +1,9 @@
 """A two-tool agent on the official `openai` client, against `specstand serve` as it would run against vLLM.
 
 The loop: send the conversation and the tools; if the answer holds tool_calls, run them here, append their
-results, ask again; stop at an answer without calls. Each step is printed.
+results, ask again; stop at an answer without calls. Each step is printed. After the results a short user
+line asks for the answer (NUDGE): the 0.5B preset otherwise calls the same tools again; `--no-nudge` leaves
+it out for a model that answers on its own.
 
     specstand serve qwen2.5-coder-0.5b --method suffix --enable-auto-tool-choice --tool-call-parser json \\
         --api-key secret --port 8000
@@ -30,6 +32,7 @@ SYSTEM = "You are a travel assistant. Use the tools for facts; answer in one or 
 # local stand-ins for real services, so a run is repeatable
 LISBON, PARIS = {"temperature_c": 21, "sky": "sunny"}, {"temperature_c": 14, "sky": "cloudy"}
 WEATHER = {"lisbon": LISBON, "lisboa": LISBON, "paris": PARIS}  # the city's own spelling too
+NUDGE = "Answer my question from these results, in one sentence."
 EUROS_PER_UNIT = {"EUR": 1.0, "USD": 0.92, "GBP": 1.17, "JPY": 0.0061}
 
 TOOLS = [
@@ -72,7 +75,7 @@ def run_tool(name: str, arguments: str) -> dict:
         return {"error": f"{type(error).__name__}: {error}"}
 
 
-def run_agent(client: OpenAI, max_tokens: int, max_steps: int) -> list[str]:
+def run_agent(client: OpenAI, max_tokens: int, max_steps: int, nudge: bool = True) -> list[str]:
     """The conversation, step by step, as the lines printed (what --compare compares)."""
     model = client.models.list().data[0].id
     messages: list[dict] = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": QUESTION}]
@@ -98,6 +101,9 @@ def run_agent(client: OpenAI, max_tokens: int, max_steps: int) -> list[str]:
             result = run_tool(call.function.name, call.function.arguments)
             say(f"  {call.function.name}({call.function.arguments}) -> {json.dumps(result)}")
             messages.append({"role": "tool", "tool_call_id": call.id, "content": json.dumps(result)})
+        if nudge:
+            say(f"user: {NUDGE}")
+            messages.append({"role": "user", "content": NUDGE})
     say(f"no final answer within {max_steps} steps")
     return lines
 
@@ -130,7 +136,7 @@ def wait_ready(server: subprocess.Popen, url: str, timeout_s: float = 900) -> No
     raise RuntimeError(f"the server was not ready within {timeout_s:g} s")
 
 
-def compare(methods: list[str], model: str, api_key: str, max_tokens: int, max_steps: int) -> bool:
+def compare(methods: list[str], model: str, api_key: str, max_tokens: int, max_steps: int, nudge: bool) -> bool:
     """The same conversation on one fresh server per method, one after the other; True if all are identical."""
     transcripts = {}
     for method in methods:
@@ -140,7 +146,7 @@ def compare(methods: list[str], model: str, api_key: str, max_tokens: int, max_s
             wait_ready(server, f"http://127.0.0.1:{port}")
             client = OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key=api_key)
             print(f"--- method {method}", flush=True)
-            transcripts[method] = run_agent(client, max_tokens, max_steps)
+            transcripts[method] = run_agent(client, max_tokens, max_steps, nudge)
         finally:
             server.terminate()
             server.wait(timeout=60)
@@ -158,14 +164,17 @@ def main() -> int:
                         help="the server's --api-key (default: $SPECSTAND_API_KEY)")
     parser.add_argument("--max-tokens", type=int, default=96, help="answer tokens per step")
     parser.add_argument("--max-steps", type=int, default=4, help="requests before giving up")
+    parser.add_argument("--no-nudge", dest="nudge", action="store_false",
+                        help="no user line asking for the answer after the tool results")
     parser.add_argument("--compare", default=None, metavar="METHOD,METHOD",
                         help="start a server per method (e.g. none,suffix) and compare their conversations")
     parser.add_argument("--model", default="qwen2.5-coder-0.5b", help="--compare: the model the servers load")
     args = parser.parse_args()
     if args.compare:
         methods = [m for m in args.compare.split(",") if m]
-        return 0 if compare(methods, args.model, args.api_key, args.max_tokens, args.max_steps) else 1
-    run_agent(OpenAI(base_url=args.base_url, api_key=args.api_key), args.max_tokens, args.max_steps)
+        return 0 if compare(methods, args.model, args.api_key, args.max_tokens, args.max_steps,
+                                args.nudge) else 1
+    run_agent(OpenAI(base_url=args.base_url, api_key=args.api_key), args.max_tokens, args.max_steps, args.nudge)
     return 0
 
 

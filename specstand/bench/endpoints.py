@@ -49,6 +49,16 @@ class OpenAIEndpoint:
         tool_calls = [{"name": c.get("name"), "arguments": c.get("arguments")} for c in calls] or None
         return Answer(text or "", tokens, choice.get("finish_reason") or "", tool_calls)
 
+    async def reset_prefix_cache(self) -> bool:
+        """Ask the server to forget cached prompts (vLLM's and specstand's route; specstand also forgets
+        its drafter's earlier answers), so a run does not find the previous run's turns. False where the
+        server has no such route (vLLM answers it only with VLLM_SERVER_DEV_MODE=1)."""
+        try:
+            reply = await self.client.post(f"{self.base_url}/reset_prefix_cache")
+        except httpx.HTTPError:
+            return False
+        return reply.status_code == 200
+
     async def scrape_metrics(self) -> dict[str, float]:
         """Counter totals by sample name (labels folded: per-position counters keep their position)."""
         try:

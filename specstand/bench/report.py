@@ -311,11 +311,20 @@ def write_report(out_dir: Path, config: dict, runs: list[RunResult], turns: list
     md = (f"# specstand bench\n\nWorkload `{config.get('workload')}`, {len(turns)} turns, users {users}, "
           f"{config.get('repeats')} repeats (runs interleaved). Times are medians over repeats with "
           f"[min–max]; ≈ marks a difference inside the spread.\n{_machine_line(config.get('machine'))}"
-          f"{status}\n{table}")
+          f"{_reset_line(config.get('prefix_cache_reset_per_run'))}{status}\n{table}")
     write_text_atomic(out_dir / "report.md", md)
     if runs:
         write_plots(summary, targets, users, out_dir)
     return table
+
+
+def _reset_line(resets: dict[str, bool] | None) -> str:
+    """Which targets started every run with nothing cached (reports written before the reset have none)."""
+    if not resets:
+        return ""
+    kept = [name for name, reset in resets.items() if not reset]
+    line = "\nEach run started with the server's prompt cache and drafter memory reset"
+    return line + (f", except on {', '.join(kept)} (no /reset_prefix_cache route).\n" if kept else ".\n")
 
 
 def _machine_line(machine: dict | None) -> str:

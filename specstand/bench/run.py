@@ -159,12 +159,19 @@ async def run_bench(targets: list[Target], turns: list[Turn], config: BenchConfi
     try:
         for endpoint in endpoints.values():  # warm-up, not recorded: first-call costs stay out of the figures
             await replay(turns[:1], endpoint, 1)
+        # each run starts from the same state: no prompt cached and no answer remembered from an earlier run
+        # (replayed turns repeat, so they would be found whole: x4 on a cold AVX2 demo turn, and suffix
+        # decoding drafting the answers of the previous repeat)
+        resets = {name: await endpoint.reset_prefix_cache() for name, endpoint in endpoints.items()}
+        report_config["prefix_cache_reset_per_run"] = resets
         with tqdm(total=total, unit="turn", desc="bench", file=sys.stderr) as bar:
             for repeat in range(config.repeats):
                 for users in config.users:
                     for name in names:  # interleaved, so drift hits every target alike
                         bar.set_postfix_str(f"{name} U={users} repeat {repeat + 1}")
                         endpoint = endpoints[name]
+                        if resets[name]:
+                            await endpoint.reset_prefix_cache()
                         before = await endpoint.scrape_metrics()
                         records, wall = await replay(turns, endpoint, users, on_turn=lambda _: bar.update())
                         after = await endpoint.scrape_metrics()

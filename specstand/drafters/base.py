@@ -104,3 +104,7 @@ class Drafter(ABC):
 
     def end(self, seq: SequenceView) -> None:  # noqa: B027 - optional hook
         """The request finished; `seq.output_ids` is its answer."""
+
+    def forget(self) -> None:  # noqa: B027 - optional hook
+        """Drop what was learned from finished requests (earlier answers), as if none had been served: the
+        stand starts every measured run from the same state."""

@@ -90,6 +90,9 @@ class SchemaDrafter(Drafter):
         self.suffix = SuffixDrafter(self.config.suffix)
         self._answers: dict[int, _Answer] = {}
 
+    def forget(self) -> None:
+        self.suffix.forget()
+
     def begin(self, seq: SequenceView) -> None:
         self.suffix.begin(seq)
         prompt_text = "" if seq.tools else self.codec.decode(seq.token_ids[: seq.prompt_len])

@@ -158,6 +158,10 @@ class SuffixDrafter(Drafter):
         for token in new_tokens:
             tree.append(token)
 
+    def forget(self) -> None:
+        self.global_tree = SuffixTree(self.config.max_depth)
+        self._responses.clear()
+
     def end(self, seq: SequenceView) -> None:
         self._local.pop(seq.request_id, None)
         response = seq.output_ids

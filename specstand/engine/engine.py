@@ -166,6 +166,14 @@ class Engine:
         self._cached.clear()
         self._cached_taps.clear()
 
+    def forget_history(self) -> None:
+        """Forget what earlier requests left behind: the prompts cached in free slots (prefix reuse) and the
+        drafter's memory of earlier answers. Requests in flight keep their own caches."""
+        for slot in [slot for slot in self._cached if slot in self.runner.cache.free_slot_ids]:
+            self._forget(slot)
+        if self.drafter is not None:
+            self.drafter.forget()
+
     def generate(self, requests: list[Request]) -> list[GenerationResult]:
         ids = [self.add_request(r) for r in requests]
         results: dict[int, GenerationResult] = {}

@@ -79,13 +79,14 @@ class FailureTrap:
 
 
 class ApiKeyCheck:
-    """/v1/* without `Authorization: Bearer <key>` gets a 401 in OpenAI's error shape."""
+    """/v1/* and /reset_prefix_cache without `Authorization: Bearer <key>` get a 401 in OpenAI's error shape."""
 
     def __init__(self, app, key: str) -> None:
         self.app, self.key = app, key.encode()
 
     async def __call__(self, scope, receive, send) -> None:
-        if scope["type"] != "http" or not scope["path"].startswith("/v1/"):
+        guarded = scope.get("path", "").startswith("/v1/") or scope.get("path") == "/reset_prefix_cache"
+        if scope["type"] != "http" or not guarded:
             return await self.app(scope, receive, send)
         given = dict(scope.get("headers") or []).get(b"authorization", b"")
         scheme, _, token = given.partition(b" ")

@@ -17,7 +17,8 @@ from specstand.server.worker import EngineWorker
 
 
 def add_health_routes(app: FastAPI, worker: EngineWorker) -> None:
-    """/health (503 with the reason when the engine cannot serve) and /metrics (Prometheus text)."""
+    """/health (503 with the reason when the engine cannot serve), /metrics (Prometheus text) and
+    /reset_prefix_cache."""
 
     @app.get("/health")
     async def health() -> Response:
@@ -29,6 +30,13 @@ def add_health_routes(app: FastAPI, worker: EngineWorker) -> None:
     @app.get("/metrics")
     async def metrics() -> Response:
         return Response(worker.metrics.render(), media_type="text/plain; version=0.0.4")
+
+    @app.post("/reset_prefix_cache")
+    async def reset_prefix_cache() -> Response:
+        """vLLM's route: cached prompts are forgotten, and here the drafter's memory of earlier answers
+        too, so that a benchmark's runs each start from the same state."""
+        worker.forget_history()
+        return Response(status_code=200)
 
 
 def add_model_routes(app: FastAPI, served_name: str) -> None:

@@ -40,6 +40,7 @@ class EngineWorker:
         self._cond = threading.Condition()
         self._inbox: deque[tuple[int, Request]] = deque()
         self._cancelled: set[int] = set()
+        self._forget_requested = False
         self._tickets: dict[int, _Ticket] = {}
         self._by_engine_id: dict[int, int] = {}
         self._ids = itertools.count()
@@ -86,6 +87,13 @@ class EngineWorker:
             self._cond.notify()
         return ticket_id, ticket.events
 
+    def forget_history(self) -> None:
+        """Have the engine thread forget cached prompts and earlier answers before it takes the next
+        request (requests submitted after this call find nothing of those before it)."""
+        with self._cond:
+            self._forget_requested = True
+            self._cond.notify()
+
     def cancel(self, ticket_id: int) -> None:
         with self._cond:
             if ticket_id in self._tickets:
@@ -103,11 +111,15 @@ class EngineWorker:
     def _loop(self) -> None:
         while True:
             with self._cond:
-                while not (self._stopped or self._inbox or self._cancelled or self.engine.has_work):
+                while not (self._stopped or self._inbox or self._cancelled or self._forget_requested
+                           or self.engine.has_work):
                     self._progress = time.monotonic()
                     self._cond.wait()
                 if self._stopped:
                     return
+                if self._forget_requested:
+                    self.engine.forget_history()
+                    self._forget_requested = False
                 self._take_inbox()
             try:
                 events = self.engine.step()

@@ -30,6 +30,9 @@ def test_bench_runs_methods_side_by_side(tmp_path, tiny_model_dir, capsys):
     assert machine["kernel_path"] in ("python", "scalar", "avx2", "avx512bf16", "amx") and machine["cpus"] >= 1
     assert machine["read_gbs_start"] > 0 and machine["read_gbs_end"] > 0
     assert f"kernel path of specstand's targets here: {machine['kernel_path']}" in (out / "report.md").read_text()
+    # every run starts with nothing cached: a repeat must not find the previous run's prompts and answers
+    assert raw["config"]["prefix_cache_reset_per_run"] == {"none": True, "ngram": True, "suffix@fixed": True}
+    assert "prompt cache and drafter memory reset." in (out / "report.md").read_text()
     ngram = raw["summary"]["ngram"]["1"][0]
     assert ngram["tau"] >= 1.0 and ngram["failed_calls"] == 0
     assert (out / "report.md").read_text().count("|") > 20

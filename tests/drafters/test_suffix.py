@@ -60,6 +60,21 @@ def test_global_tree_learns_finished_answers_and_evicts_old_ones():
     assert drafter.propose(third, 3).tokens == []
 
 
+def test_forget_drops_earlier_answers():
+    drafter = SuffixDrafter()
+    first = SequenceView(0, [1, 2, 10, 11, 12, 13], 2)
+    drafter.begin(first)
+    drafter.end(first)
+    drafter.forget()
+    second = SequenceView(1, [3, 10, 11], 1)
+    drafter.begin(second)
+    assert drafter.propose(second, 2).tokens == []
+    drafter.end(SequenceView(1, [3, 20, 21, 22], 1))  # it learns again after forgetting
+    third = SequenceView(2, [4, 20, 21], 1)
+    drafter.begin(third)
+    assert drafter.propose(third, 1).tokens == [22]
+
+
 def test_local_tree_follows_extensions():
     drafter = SuffixDrafter()
     seq = SequenceView(0, [1, 2, 3, 4, 9], 5)

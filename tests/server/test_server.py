@@ -151,6 +151,22 @@ def _samples(text: str) -> dict[str, float]:
     return values
 
 
+def test_reset_prefix_cache_forgets_cached_prompts(server):
+    served = server.client.models.list().data[0].id
+    messages = [{"role": "user", "content": " ".join(f"w{i % 37}" for i in range(150))}]
+
+    def ask():
+        reply = server.client.chat.completions.create(model=served, messages=messages, max_tokens=8, temperature=0)
+        return reply.choices[0].message.content, reply.model_extra["specstand"]["stats"]["cached_prompt_tokens"]
+
+    first, _ = ask()
+    again, cached = ask()
+    assert cached > 0 and again == first
+    assert httpx.post(server.url + "/reset_prefix_cache", timeout=30).status_code == 200
+    after_reset, cached = ask()
+    assert cached == 0 and after_reset == first
+
+
 def test_metrics_use_vllm_names_and_count_what_happened(server):
     served = server.client.models.list().data[0].id
     before = _samples(httpx.get(server.url + "/metrics").text)

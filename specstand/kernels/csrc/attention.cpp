@@ -13,6 +13,7 @@
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 
+#include <algorithm>
 #include <limits>
 #include <vector>
 
@@ -441,17 +442,42 @@ static std::vector<AttentionTask> plan_tasks(int64_t rows, const int64_t* slots,
   return tasks;
 }
 
+// The tasks each thread runs: longest first (a task costs its rows' keys), each to the least loaded thread.
+// Equal counts of tasks per thread, as parallel_for deals them, left one thread all of a prompt chunk when
+// a request's few verify rows shared the pass (their tasks came first): the chunk's attention ran on one
+// core. Which thread runs a task never changes its arithmetic.
+static std::vector<std::vector<int64_t>> deal_tasks(const std::vector<AttentionTask>& tasks, const int64_t* positions,
+                                                    int64_t threads) {
+  std::vector<std::pair<int64_t, int64_t>> by_cost;  // (keys read, task)
+  for (int64_t t = 0; t < int64_t(tasks.size()); ++t) {
+    int64_t keys = 0;
+    for (int64_t r = tasks[t].first; r < tasks[t].last; ++r) keys += positions[r] + 1;
+    by_cost.emplace_back(keys, t);
+  }
+  std::stable_sort(by_cost.begin(), by_cost.end(), [](const auto& a, const auto& b) { return a.first > b.first; });
+  std::vector<std::vector<int64_t>> lists(threads);
+  std::vector<int64_t> load(threads, 0);
+  for (const auto& [keys, t] : by_cost) {
+    const int64_t least = std::min_element(load.begin(), load.end()) - load.begin();
+    lists[least].push_back(t);
+    load[least] += keys;
+  }
+  return lists;
+}
+
 void decode_attention(Isa isa, const float* q, int64_t q_stride, float* out, int64_t rows, int64_t heads,
                       const int64_t* slots, const int64_t* positions, const CacheView& cache, float scale) {
   const int64_t group = heads / cache.kv_heads, dim = cache.head_dim, width = heads * dim;
   const bool tiles = use_amx(isa, dim), wide = use_avx512(isa, dim, group);
   // amx packs a task's keys and values once for all its rows: split a request's rows only when there are many
   const std::vector<AttentionTask> tasks = plan_tasks(rows, slots, cache.kv_heads, tiles ? 64 : 1);
-  at::parallel_for(0, int64_t(tasks.size()), 1, [&](int64_t begin, int64_t end) {
+  const std::vector<std::vector<int64_t>> lists = deal_tasks(tasks, positions, at::get_num_threads());
+  at::parallel_for(0, int64_t(lists.size()), 1, [&](int64_t begin, int64_t end) {
     std::vector<float> scores;
     AmxScratch scratch;
     if (tiles) configure_bf16_tiles();
-    for (int64_t t = begin; t < end; ++t) {
+    for (int64_t w = begin; w < end; ++w)
+    for (const int64_t t : lists[w]) {
       const int64_t kv = tasks[t].kv, head0 = kv * group * dim;
       if (tiles) {
         attend_task_amx(q, q_stride, out, width, tasks[t].first, tasks[t].last, kv, group, slots, positions, cache,

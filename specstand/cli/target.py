@@ -7,8 +7,8 @@ import json
 from pathlib import Path
 
 from specstand.cli.common import AUTO_DTYPE_HELP, DTYPE_CHOICES, CliError
-from specstand.drafters import METHODS
-from specstand.drafters.trained import TRAINED, shipped_drafter
+from specstand.drafters import METHODS, trained_drafter_path
+from specstand.drafters.trained import TRAINED
 
 # vLLM's speculative methods -> ours
 VLLM_METHODS = {"ngram": "ngram", "suffix": "suffix", "eagle3": "eagle3", "dflash": "dflash", "mtp": "mtp",
@@ -98,7 +98,5 @@ def check_target_args(args: argparse.Namespace) -> None:
         raise CliError("--k must be >= 0")
     if args.drafter is not None and not args.drafter.is_dir():
         raise CliError(f"--drafter {args.drafter} is not a folder")
-    if args.method in TRAINED and args.drafter is None and shipped_drafter(args.model, args.method) is None:
-        # said before the model loads, as make_drafter would say it after
-        raise CliError(f"method {args.method} needs a trained drafter: no drafter is shipped for {args.model}; "
-                       "train one (`specstand train`) and pass --drafter")
+    if args.method in TRAINED:
+        trained_drafter_path(args.method, args.model, args.drafter)  # said before the model loads

@@ -49,16 +49,23 @@ def make_drafter(method: str, target: DecoderModel | None = None, target_name: s
         return DRAFTERS[method]()
     if method not in TRAINED:
         raise ValueError(f"unknown method {method!r} (choose from {', '.join(METHODS)})")
-    path = drafter_path or shipped_drafter(target_name, method)
-    if path is None:
-        raise DrafterLoadError(f"method {method} needs a trained drafter: no drafter is shipped for "
-                               f"{target_name or 'this model'}; train one (`specstand train`) and pass --drafter")
+    path = trained_drafter_path(method, target_name, drafter_path)
     if target is None:
         raise ValueError("a trained drafter needs its target model")
     spec = read_spec(path)
     if spec.method != method:
         raise DrafterLoadError(f"drafter {path} is a {spec.method} drafter, not {method}")
     return load_drafter(path, target.weights.embed_tokens, target.weights.lm_head)
+
+
+def trained_drafter_path(method: str, target_name: str, drafter_path: Path | None) -> Path:
+    """The folder a trained `method` loads: `drafter_path`, else the drafter shipped for the preset
+    `target_name`; DrafterLoadError where there is neither (the CLI asks before it loads the model)."""
+    path = drafter_path or shipped_drafter(target_name, method)
+    if path is None:
+        raise DrafterLoadError(f"method {method} needs a trained drafter: no drafter is shipped for "
+                               f"{target_name or 'this model'}; train one (`specstand train`) and pass --drafter")
+    return path
 
 
 def default_k(drafter: Drafter | None, k: int | None) -> int:
@@ -70,4 +77,4 @@ def default_k(drafter: Drafter | None, k: int | None) -> int:
 
 __all__ = ["DRAFTERS", "METHODS", "TOKENIZER_DRAFTERS", "Draft", "Drafter", "DrafterLoadError", "HFTextCodec",
            "HiddenRows", "NgramConfig", "SchemaConfig", "SequenceView", "SuffixConfig", "TextCodec", "default_k",
-           "make_drafter"]
+           "make_drafter", "trained_drafter_path"]

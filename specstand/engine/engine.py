@@ -169,7 +169,8 @@ class Engine:
     def forget_history(self) -> None:
         """Forget what earlier requests left behind: the prompts cached in free slots (prefix reuse) and the
         drafter's memory of earlier answers. Requests in flight keep their own caches."""
-        for slot in [slot for slot in self._cached if slot in self.runner.cache.free_slot_ids]:
+        free = set(self.runner.cache.free_slot_ids)
+        for slot in [slot for slot in self._cached if slot in free]:
             self._forget(slot)
         if self.drafter is not None:
             self.drafter.forget()

@@ -126,6 +126,13 @@ def linear_q8_0(q: torch.Tensor, d: torch.Tensor, x: torch.Tensor, path: str) ->
     return load().Linear(q, d, PATHS[path]).forward(x)
 
 
+def attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, slots: torch.Tensor,
+              positions: torch.Tensor, scale: float, path: str) -> torch.Tensor:
+    """The decode/verify attention kernel of `path` (for tests): q [rows, heads * head_dim] fp32 over bf16
+    keys/values [slots, kv_heads, capacity, head_dim]; row r attends over positions 0..positions[r] of its slot."""
+    return load().attention(PATHS[path], q, keys, values, slots, positions, scale)
+
+
 def peak_macs_per_second(path: str, iterations: int = 20_000_000) -> float:
     """Multiply-accumulates per second of one core running the path's instruction from registers."""
     return load().peak_macs_per_second(PATHS[path], iterations)

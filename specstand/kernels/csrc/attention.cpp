@@ -4,6 +4,8 @@
 //        kv head) fill 16-row tiles; each element of a tile product depends on its own row alone, and keys
 //        past a row's length weigh exactly 0, so which rows share a tile never changes a row's bits.
 //   avx512 (other widths on amx, all on avx512bf16): fp32 FMA over keys widened exactly on load.
+//   avx2 (head_dim a multiple of 8): fp32 FMA, 8 keys at a time, up to 4 rows of a request sharing each block
+//        of keys and values widened to fp32 in L1.
 //   portable: 8-lane vectors (common.h) elsewhere.
 // Every sum has a fixed order that depends on the row's own cache length only, so a row computes the same
 // bits alone or beside other rows. Tasks group a request's rows per kv head, so its cache is read from
@@ -366,6 +368,162 @@ static void attend_task_amx(const float* q, int64_t q_stride, float* out, int64_
   flush();
 }
 
+// ---- avx2: 8 keys at a time, a few rows sharing each widened block ------------------------------------------
+// Scores: per row and head, the 8 keys' dot products in 8 accumulators over the head's width, then summed
+// across lanes by a fixed tree; values: a head's width in up to 8 accumulators, one FMA per key in key order.
+// The rows of a block share only the widened keys and values (work done once instead of per row and head,
+// which made the one-key-at-a-time loop below latency-bound): every sum a row makes is the same alone.
+
+constexpr int64_t kAvx2Rows = 4;  // rows sharing a widened block
+
+struct Avx2Scratch {
+  AlignedVector<float> block;  // 8 keys (or values) widened to fp32: [8][head_dim]
+  std::vector<float> scores;   // [rows][group][padded keys]
+  AlignedVector<float> sums;   // [rows][group][head_dim]: the weighted values, before 1 / sum
+};
+
+// Keys (or values) [first, first + 8) of (slot, kv) as fp32, zeros past `length`.
+__attribute__((target("avx2"))) static void widen_block(const uint16_t* first_key, int64_t dim, int64_t count,
+                                                       float* out) {
+  for (int64_t i = 0; i < 8; ++i)
+    for (int64_t d = 0; d < dim; d += 8) {
+      const __m256i wide =
+          i < count ? _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(first_key + i * dim + d)))
+                    : _mm256_setzero_si256();
+      _mm256_store_ps(out + i * dim + d, _mm256_castsi256_ps(_mm256_slli_epi32(wide, 16)));
+    }
+}
+
+// out[i] = the sum of v[i]'s 8 lanes, ((0+1)+(2+3))+((4+5)+(6+7)), for 8 vectors at once.
+__attribute__((target("avx2"), always_inline)) static inline __m256 sum_lanes8(const __m256* v) {
+  const __m256 a = _mm256_hadd_ps(_mm256_hadd_ps(v[0], v[1]), _mm256_hadd_ps(v[2], v[3]));
+  const __m256 b = _mm256_hadd_ps(_mm256_hadd_ps(v[4], v[5]), _mm256_hadd_ps(v[6], v[7]));
+  return _mm256_add_ps(_mm256_permute2f128_ps(a, b, 0x20), _mm256_permute2f128_ps(a, b, 0x31));
+}
+
+// One head's scores against the 8 widened keys in `keys`, times `scale`, into `scores`.
+__attribute__((target("avx2,fma"), always_inline)) static inline void scores_block8(const float* q, const float* keys, int64_t dim,
+                                                              float scale, float* scores) {
+  __m256 dots[8];
+  const __m256 q0 = _mm256_loadu_ps(q);
+  for (int i = 0; i < 8; ++i) dots[i] = _mm256_mul_ps(q0, _mm256_load_ps(keys + i * dim));
+  for (int64_t d = 8; d < dim; d += 8) {
+    const __m256 qd = _mm256_loadu_ps(q + d);
+    for (int i = 0; i < 8; ++i) dots[i] = _mm256_fmadd_ps(qd, _mm256_load_ps(keys + i * dim + d), dots[i]);
+  }
+  _mm256_storeu_ps(scores, _mm256_mul_ps(sum_lanes8(dots), _mm256_set1_ps(scale)));
+}
+
+// sums[d0 .. d0 + 8 N) += weights[j] * values[j][d0 ..] for the first `count` keys of the block, in key order.
+template <int N>
+__attribute__((target("avx2,fma"), always_inline)) static inline void weigh_block8(const float* weights, const float* values, int64_t dim,
+                                                             int64_t count, int64_t d0, float* sums) {
+  __m256 acc[N];
+  for (int c = 0; c < N; ++c) acc[c] = _mm256_load_ps(sums + d0 + 8 * c);
+  for (int64_t j = 0; j < count; ++j) {
+    const __m256 w = _mm256_broadcast_ss(weights + j);
+    for (int c = 0; c < N; ++c) acc[c] = _mm256_fmadd_ps(w, _mm256_load_ps(values + j * dim + d0 + 8 * c), acc[c]);
+  }
+  for (int c = 0; c < N; ++c) _mm256_store_ps(sums + d0 + 8 * c, acc[c]);
+}
+
+__attribute__((target("avx2,fma"), always_inline)) static inline void weigh_values_block8(const float* weights, const float* values, int64_t dim, int64_t count, float* sums) {
+  for (int64_t d0 = 0; d0 < dim; d0 += 64) {
+    switch (std::min<int64_t>(8, (dim - d0) / 8)) {
+      case 1: weigh_block8<1>(weights, values, dim, count, d0, sums); break;
+      case 2: weigh_block8<2>(weights, values, dim, count, d0, sums); break;
+      case 3: weigh_block8<3>(weights, values, dim, count, d0, sums); break;
+      case 4: weigh_block8<4>(weights, values, dim, count, d0, sums); break;
+      case 5: weigh_block8<5>(weights, values, dim, count, d0, sums); break;
+      case 6: weigh_block8<6>(weights, values, dim, count, d0, sums); break;
+      case 7: weigh_block8<7>(weights, values, dim, count, d0, sums); break;
+      default: weigh_block8<8>(weights, values, dim, count, d0, sums); break;
+    }
+  }
+}
+
+// The largest of s[0 .. length): 8 lanes at a time (a max is exact in any order, so this is the scalar loop's
+// value), the scalar loop's latency chain was as long as the scores' arithmetic.
+__attribute__((target("avx2"), always_inline)) static inline float largest8(const float* s, int64_t length) {
+  __m256 top = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
+  int64_t j = 0;
+  for (; j + 8 <= length; j += 8) top = _mm256_max_ps(top, _mm256_loadu_ps(s + j));
+  alignas(32) float lanes[8];
+  _mm256_store_ps(lanes, top);
+  float result = lanes[0];
+  for (int i = 1; i < 8; ++i) result = lanes[i] > result ? lanes[i] : result;
+  for (; j < length; ++j) result = s[j] > result ? s[j] : result;
+  return result;
+}
+
+// Softmax numerators of one row of scores, in place: exp(x - max) over its first `length` entries and 0 in the
+// rest of the last 8; returns 1 / their sum. `top`: the largest score.
+SPECSTAND_INLINE float softmax_numerators8(float* s, int64_t length, float top) {
+  const int64_t padded = (length + 7) / 8 * 8;
+  v8f total = v8_splat(0.0f);
+  for (int64_t j = 0; j < padded; j += 8) {
+    v8f e = vec_exp(v8_load(s + j) - v8_splat(top));
+    if (j + 8 > length) {  // lanes past the row's last key weigh exactly 0
+      for (int64_t lane = length - j; lane < 8; ++lane) e[lane] = 0.0f;
+    }
+    v8_store(s + j, e);
+    total = total + e;
+  }
+  return 1.0f / v8_sum(total);
+}
+
+// Rows [first, last) of one request (increasing positions) against kv head `kv`, kAvx2Rows at a time.
+__attribute__((target("avx2,fma"))) static void attend_rows_avx2(const float* q, int64_t q_stride, float* out,
+                                                                 int64_t width, int64_t first, int64_t last,
+                                                                 int64_t kv, int64_t group, int64_t slot,
+                                                                 const int64_t* positions, const CacheView& cache,
+                                                                 float scale, Avx2Scratch& s) {
+  const int64_t dim = cache.head_dim, head0 = kv * group * dim;
+  s.block.resize(8 * dim);
+  for (int64_t r0 = first; r0 < last; r0 += kAvx2Rows) {
+    const int64_t rows = std::min(kAvx2Rows, last - r0);
+    int64_t longest = 0;
+    for (int64_t r = r0; r < r0 + rows; ++r) longest = std::max(longest, positions[r] + 1);
+    const int64_t padded = (longest + 7) / 8 * 8;
+    s.scores.resize(rows * group * padded);
+    for (int64_t b = 0; b < padded; b += 8) {
+      widen_block(cache.key(slot, kv, b), dim, std::min<int64_t>(8, longest - b), s.block.data());
+      for (int64_t r = 0; r < rows; ++r) {
+        if (positions[r0 + r] + 1 <= b) continue;
+        for (int64_t g = 0; g < group; ++g)
+          scores_block8(q + (r0 + r) * q_stride + head0 + g * dim, s.block.data(), dim, scale,
+                        s.scores.data() + (r * group + g) * padded + b);
+      }
+    }
+    float inverse_sum[kAvx2Rows * 64];
+    for (int64_t r = 0; r < rows; ++r)
+      for (int64_t g = 0; g < group; ++g)
+      {
+        float* row = s.scores.data() + (r * group + g) * padded;
+        const int64_t length = positions[r0 + r] + 1;
+        inverse_sum[r * group + g] = softmax_numerators8(row, length, largest8(row, length));
+      }
+    s.sums.assign(rows * group * dim, 0.0f);
+    for (int64_t b = 0; b < padded; b += 8) {
+      widen_block(cache.value(slot, kv, b), dim, std::min<int64_t>(8, longest - b), s.block.data());
+      for (int64_t r = 0; r < rows; ++r) {
+        const int64_t count = std::min<int64_t>(8, positions[r0 + r] + 1 - b);
+        if (count <= 0) continue;
+        for (int64_t g = 0; g < group; ++g)
+          weigh_values_block8(s.scores.data() + (r * group + g) * padded + b, s.block.data(), dim, count,
+                              s.sums.data() + (r * group + g) * dim);
+      }
+    }
+    for (int64_t r = 0; r < rows; ++r)
+      for (int64_t g = 0; g < group; ++g) {
+        const __m256 inv = _mm256_set1_ps(inverse_sum[r * group + g]);
+        const float* sum = s.sums.data() + (r * group + g) * dim;
+        float* o = out + (r0 + r) * width + head0 + g * dim;
+        for (int64_t d = 0; d < dim; d += 8) _mm256_storeu_ps(o + d, _mm256_mul_ps(_mm256_load_ps(sum + d), inv));
+      }
+  }
+}
+
 // ---- portable: 8-lane vectors, one key at a time ----------------------------------------------------------
 
 __attribute__((target_clones("avx2", "default"), flatten)) static void attend_group8(
@@ -383,19 +541,10 @@ __attribute__((target_clones("avx2", "default"), flatten)) static void attend_gr
   }
   std::vector<float> inverse_sum(group);
   for (int64_t g = 0; g < group; ++g) {
-    float* s = scores.data() + g * padded;
+    const float* s = scores.data() + g * padded;
     float top = -std::numeric_limits<float>::infinity();
     for (int64_t j = 0; j < length; ++j) top = s[j] > top ? s[j] : top;
-    v8f total = v8_splat(0.0f);
-    for (int64_t j = 0; j < padded; j += 8) {
-      v8f e = vec_exp(v8_load(s + j) - v8_splat(top));
-      if (j + 8 > length) {  // lanes past the row's last key weigh exactly 0
-        for (int64_t lane = length - j; lane < 8; ++lane) e[lane] = 0.0f;
-      }
-      v8_store(s + j, e);
-      total = total + e;
-    }
-    inverse_sum[g] = 1.0f / v8_sum(total);
+    inverse_sum[g] = softmax_numerators8(scores.data() + g * padded, length, top);
   }
   for (int64_t g = 0; g < group; ++g)
     for (int64_t d = 0; d < dim; d += 8) {  // one 8-wide accumulator in a register over all keys
@@ -414,6 +563,11 @@ static bool use_amx(Isa isa, int64_t head_dim) {  // the softmax side rounds wit
 static bool use_avx512(Isa isa, int64_t head_dim, int64_t group) {
   const bool dims = head_dim == 16 || head_dim == 32 || head_dim == 64 || head_dim == 128 || head_dim == 256;
   return (isa == Isa::avx512bf16 || isa == Isa::amx) && dims && group <= 64;
+}
+
+static bool use_avx2(Isa isa, int64_t head_dim, int64_t group) {
+  static const bool avx2 = cpu_has(Isa::avx2);
+  return isa != Isa::scalar && avx2 && head_dim % 8 == 0 && group <= 64;
 }
 
 // One task: rows [first, last) of one request (contiguous in the pass, one slot) against kv head `kv`.
@@ -468,13 +622,14 @@ static std::vector<std::vector<int64_t>> deal_tasks(const std::vector<AttentionT
 void decode_attention(Isa isa, const float* q, int64_t q_stride, float* out, int64_t rows, int64_t heads,
                       const int64_t* slots, const int64_t* positions, const CacheView& cache, float scale) {
   const int64_t group = heads / cache.kv_heads, dim = cache.head_dim, width = heads * dim;
-  const bool tiles = use_amx(isa, dim), wide = use_avx512(isa, dim, group);
+  const bool tiles = use_amx(isa, dim), wide = use_avx512(isa, dim, group), avx2 = use_avx2(isa, dim, group);
   // amx packs a task's keys and values once for all its rows: split a request's rows only when there are many
   const std::vector<AttentionTask> tasks = plan_tasks(rows, slots, cache.kv_heads, tiles ? 64 : 1);
   const std::vector<std::vector<int64_t>> lists = deal_tasks(tasks, positions, at::get_num_threads());
   at::parallel_for(0, int64_t(lists.size()), 1, [&](int64_t begin, int64_t end) {
     std::vector<float> scores;
     AmxScratch scratch;
+    Avx2Scratch avx2_scratch;
     if (tiles) configure_bf16_tiles();
     for (int64_t w = begin; w < end; ++w)
     for (const int64_t t : lists[w]) {
@@ -482,6 +637,11 @@ void decode_attention(Isa isa, const float* q, int64_t q_stride, float* out, int
       if (tiles) {
         attend_task_amx(q, q_stride, out, width, tasks[t].first, tasks[t].last, kv, group, slots, positions, cache,
                         scale, scratch);
+        continue;
+      }
+      if (!wide && avx2) {
+        attend_rows_avx2(q, q_stride, out, width, tasks[t].first, tasks[t].last, kv, group, slots[tasks[t].first],
+                         positions, cache, scale, avx2_scratch);
         continue;
       }
       for (int64_t r = tasks[t].first; r < tasks[t].last; ++r) {

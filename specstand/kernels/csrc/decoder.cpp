@@ -311,6 +311,34 @@ using specstand::Isa;
 using specstand::Linear;
 using specstand::runnable;
 
+// decode_attention on tensors, for tests: q [rows, heads * head_dim] fp32, keys/values [slots, kv_heads,
+// capacity, head_dim] bf16, slots/positions [rows] int64; row r attends over positions 0..positions[r].
+at::Tensor attention(int64_t isa, const at::Tensor& q, const at::Tensor& keys, const at::Tensor& values,
+                     const at::Tensor& slots, const at::Tensor& positions, double scale) {
+  const Isa path = runnable(isa);
+  TORCH_CHECK(q.dim() == 2 && q.scalar_type() == at::kFloat && q.is_contiguous(), "q: [rows, heads * head_dim] fp32");
+  TORCH_CHECK(keys.dim() == 4 && keys.scalar_type() == at::kBFloat16 && keys.is_contiguous() &&
+                  values.sizes() == keys.sizes() && values.scalar_type() == at::kBFloat16 && values.is_contiguous(),
+              "keys, values: [slots, kv_heads, capacity, head_dim] bf16");
+  TORCH_CHECK(slots.scalar_type() == at::kLong && positions.scalar_type() == at::kLong &&
+                  slots.numel() == q.size(0) && positions.numel() == q.size(0),
+              "slots, positions: int64, one per row");
+  const int64_t rows = q.size(0), head_dim = keys.size(3), heads = q.size(1) / head_dim;
+  TORCH_CHECK(heads * head_dim == q.size(1) && heads % keys.size(1) == 0, "heads must be a multiple of kv_heads");
+  const at::Tensor s = slots.contiguous(), p = positions.contiguous();
+  const int64_t *slot_p = s.data_ptr<int64_t>(), *pos_p = p.data_ptr<int64_t>();
+  for (int64_t r = 0; r < rows; ++r)
+    TORCH_CHECK(slot_p[r] >= 0 && slot_p[r] < keys.size(0) && pos_p[r] >= 0 && pos_p[r] < keys.size(2),
+                "a row's slot or position is outside the cache");
+  const specstand::CacheView cache{reinterpret_cast<const uint16_t*>(keys.data_ptr()),
+                                   reinterpret_cast<const uint16_t*>(values.data_ptr()), keys.size(0), keys.size(1),
+                                   keys.size(2), head_dim};
+  at::Tensor out = at::empty({rows, heads * head_dim}, q.options());
+  specstand::decode_attention(path, q.data_ptr<float>(), q.size(1), out.data_ptr<float>(), rows,
+                              heads, slot_p, pos_p, cache, float(scale));
+  return out;
+}
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -322,6 +350,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("peak_macs_per_second_q8_0", [](int64_t isa, bool tiles, int64_t iterations) {
     return specstand::peak_macs_per_second_q8_0(static_cast<Isa>(isa), tiles, iterations);
   });
+  m.def("attention", &attention);
   py::class_<Linear>(m, "Linear")
       .def(py::init<const at::Tensor&, int64_t>())
       .def(py::init<const at::Tensor&, const at::Tensor&, int64_t>())

@@ -50,8 +50,8 @@ def test_attention_matches_a_float64_reference(path, shape):
             p = torch.softmax(k @ qh * scale, 0)
             exact = p @ v
             # fp32: each score off by at most head_dim rounding steps of its |products|, which moves a weight
-            # by twice that relatively; exp within a few ulp; the sums over keys and the division by
-            # (position + 1 + head_dim + 16) steps of 2^-24; bf16 numerators (amx) 2^-8 more
+            # by twice that relatively (4x: margin); exp within a few ulp; the sums over keys and the division
+            # by (position + head_dim + 24) steps of 2^-23; bf16 numerators (amx) 2^-8 more
             score_error = head_dim * 2.0**-23 * float(products.max())
             relative = 4 * score_error + (position + head_dim + 24) * 2.0**-23 + (2.0**-8 if rounded else 0)
             bound = relative * (p @ v.abs()) + 1e-30

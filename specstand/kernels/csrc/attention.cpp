@@ -382,7 +382,7 @@ struct Avx2Scratch {
   AlignedVector<float> sums;   // [rows][group][head_dim]: the weighted values, before 1 / sum
 };
 
-// Keys (or values) [first, first + 8) of (slot, kv) as fp32, zeros past `length`.
+// 8 consecutive keys (or values) from `first_key` as fp32 rows of `dim`, zeros past the first `count`.
 __attribute__((target("avx2"))) static void widen_block(const uint16_t* first_key, int64_t dim, int64_t count,
                                                        float* out) {
   for (int64_t i = 0; i < 8; ++i)
@@ -402,8 +402,9 @@ __attribute__((target("avx2"), always_inline)) static inline __m256 sum_lanes8(c
 }
 
 // One head's scores against the 8 widened keys in `keys`, times `scale`, into `scores`.
-__attribute__((target("avx2,fma"), always_inline)) static inline void scores_block8(const float* q, const float* keys, int64_t dim,
-                                                              float scale, float* scores) {
+__attribute__((target("avx2,fma"), always_inline)) static inline void scores_block8(const float* q, const float* keys,
+                                                                                    int64_t dim, float scale,
+                                                                                    float* scores) {
   __m256 dots[8];
   const __m256 q0 = _mm256_loadu_ps(q);
   for (int i = 0; i < 8; ++i) dots[i] = _mm256_mul_ps(q0, _mm256_load_ps(keys + i * dim));
@@ -416,8 +417,10 @@ __attribute__((target("avx2,fma"), always_inline)) static inline void scores_blo
 
 // sums[d0 .. d0 + 8 N) += weights[j] * values[j][d0 ..] for the first `count` keys of the block, in key order.
 template <int N>
-__attribute__((target("avx2,fma"), always_inline)) static inline void weigh_block8(const float* weights, const float* values, int64_t dim,
-                                                             int64_t count, int64_t d0, float* sums) {
+__attribute__((target("avx2,fma"), always_inline)) static inline void weigh_block8(const float* weights,
+                                                                                   const float* values, int64_t dim,
+                                                                                   int64_t count, int64_t d0,
+                                                                                   float* sums) {
   __m256 acc[N];
   for (int c = 0; c < N; ++c) acc[c] = _mm256_load_ps(sums + d0 + 8 * c);
   for (int64_t j = 0; j < count; ++j) {
@@ -427,7 +430,10 @@ __attribute__((target("avx2,fma"), always_inline)) static inline void weigh_bloc
   for (int c = 0; c < N; ++c) _mm256_store_ps(sums + d0 + 8 * c, acc[c]);
 }
 
-__attribute__((target("avx2,fma"), always_inline)) static inline void weigh_values_block8(const float* weights, const float* values, int64_t dim, int64_t count, float* sums) {
+__attribute__((target("avx2,fma"), always_inline)) static inline void weigh_values_block8(const float* weights,
+                                                                                          const float* values,
+                                                                                          int64_t dim, int64_t count,
+                                                                                          float* sums) {
   for (int64_t d0 = 0; d0 < dim; d0 += 64) {
     switch (std::min<int64_t>(8, (dim - d0) / 8)) {
       case 1: weigh_block8<1>(weights, values, dim, count, d0, sums); break;
@@ -442,23 +448,19 @@ __attribute__((target("avx2,fma"), always_inline)) static inline void weigh_valu
   }
 }
 
-// The largest of s[0 .. length): 8 lanes at a time (a max is exact in any order, so this is the scalar loop's
-// value), the scalar loop's latency chain was as long as the scores' arithmetic.
-__attribute__((target("avx2"), always_inline)) static inline float largest8(const float* s, int64_t length) {
-  __m256 top = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
-  int64_t j = 0;
-  for (; j + 8 <= length; j += 8) top = _mm256_max_ps(top, _mm256_loadu_ps(s + j));
-  alignas(32) float lanes[8];
-  _mm256_store_ps(lanes, top);
-  float result = lanes[0];
-  for (int i = 1; i < 8; ++i) result = lanes[i] > result ? lanes[i] : result;
-  for (; j < length; ++j) result = s[j] > result ? s[j] : result;
-  return result;
-}
-
 // Softmax numerators of one row of scores, in place: exp(x - max) over its first `length` entries and 0 in the
-// rest of the last 8; returns 1 / their sum. `top`: the largest score.
-SPECSTAND_INLINE float softmax_numerators8(float* s, int64_t length, float top) {
+// rest of the last 8; returns 1 / their sum. The max is taken 8 lanes at a time (a max is exact in any order; a
+// scalar loop's compare chain took as long as the scores' arithmetic).
+SPECSTAND_INLINE float softmax_numerators8(float* s, int64_t length) {
+  v8f lanes = v8_splat(-std::numeric_limits<float>::infinity());
+  int64_t j = 0;
+  for (; j + 8 <= length; j += 8) {
+    const v8f x = v8_load(s + j);
+    lanes = x > lanes ? x : lanes;
+  }
+  float top = lanes[0];
+  for (int i = 1; i < 8; ++i) top = lanes[i] > top ? lanes[i] : top;
+  for (; j < length; ++j) top = s[j] > top ? s[j] : top;
   const int64_t padded = (length + 7) / 8 * 8;
   v8f total = v8_splat(0.0f);
   for (int64_t j = 0; j < padded; j += 8) {
@@ -495,14 +497,11 @@ __attribute__((target("avx2,fma"))) static void attend_rows_avx2(const float* q,
                         s.scores.data() + (r * group + g) * padded + b);
       }
     }
-    float inverse_sum[kAvx2Rows * 64];
+    float inverse_sum[kAvx2Rows * 64];  // use_avx2: group <= 64
     for (int64_t r = 0; r < rows; ++r)
       for (int64_t g = 0; g < group; ++g)
-      {
-        float* row = s.scores.data() + (r * group + g) * padded;
-        const int64_t length = positions[r0 + r] + 1;
-        inverse_sum[r * group + g] = softmax_numerators8(row, length, largest8(row, length));
-      }
+        inverse_sum[r * group + g] =
+            softmax_numerators8(s.scores.data() + (r * group + g) * padded, positions[r0 + r] + 1);
     s.sums.assign(rows * group * dim, 0.0f);
     for (int64_t b = 0; b < padded; b += 8) {
       widen_block(cache.value(slot, kv, b), dim, std::min<int64_t>(8, longest - b), s.block.data());
@@ -540,12 +539,7 @@ __attribute__((target_clones("avx2", "default"), flatten)) static void attend_gr
     }
   }
   std::vector<float> inverse_sum(group);
-  for (int64_t g = 0; g < group; ++g) {
-    const float* s = scores.data() + g * padded;
-    float top = -std::numeric_limits<float>::infinity();
-    for (int64_t j = 0; j < length; ++j) top = s[j] > top ? s[j] : top;
-    inverse_sum[g] = softmax_numerators8(scores.data() + g * padded, length, top);
-  }
+  for (int64_t g = 0; g < group; ++g) inverse_sum[g] = softmax_numerators8(scores.data() + g * padded, length);
   for (int64_t g = 0; g < group; ++g)
     for (int64_t d = 0; d < dim; d += 8) {  // one 8-wide accumulator in a register over all keys
       v8f sum = v8_splat(0.0f);
@@ -622,7 +616,8 @@ static std::vector<std::vector<int64_t>> deal_tasks(const std::vector<AttentionT
 void decode_attention(Isa isa, const float* q, int64_t q_stride, float* out, int64_t rows, int64_t heads,
                       const int64_t* slots, const int64_t* positions, const CacheView& cache, float scale) {
   const int64_t group = heads / cache.kv_heads, dim = cache.head_dim, width = heads * dim;
-  const bool tiles = use_amx(isa, dim), wide = use_avx512(isa, dim, group), avx2 = use_avx2(isa, dim, group);
+  const bool tiles = use_amx(isa, dim), wide = use_avx512(isa, dim, group);
+  const bool avx2 = !wide && use_avx2(isa, dim, group);
   // amx packs a task's keys and values once for all its rows: split a request's rows only when there are many
   const std::vector<AttentionTask> tasks = plan_tasks(rows, slots, cache.kv_heads, tiles ? 64 : 1);
   const std::vector<std::vector<int64_t>> lists = deal_tasks(tasks, positions, at::get_num_threads());
@@ -639,7 +634,7 @@ void decode_attention(Isa isa, const float* q, int64_t q_stride, float* out, int
                         scale, scratch);
         continue;
       }
-      if (!wide && avx2) {
+      if (avx2) {
         attend_rows_avx2(q, q_stride, out, width, tasks[t].first, tasks[t].last, kv, group, slots[tasks[t].first],
                          positions, cache, scale, avx2_scratch);
         continue;

@@ -135,6 +135,40 @@ def _opener(schema: dict) -> str:
     return {"string": '"', "object": "{", "array": "[", "null": "null"}.get(kind, "") if isinstance(kind, str) else ""
 
 
+FITS, QUOTED, BREAKS = 0, 1, 2  # how text keeps to a schema (AnswerReader.fit), best first
+_TYPE_OPENERS = {"string": '"', "object": "{", "array": "[", "boolean": "tf", "null": "n",
+                 "number": "-0123456789", "integer": "-0123456789"}
+_TYPE_NAMES = frozenset(("string", "number", "integer", "boolean", "object", "array", "null"))
+
+
+def _opening_fit(schema: dict, char: str) -> int:
+    """How a value of `schema` starting with `char` fits (any start fits where its type is not one of JSON's)."""
+    kind = schema.get("type")
+    kinds = [kind] if isinstance(kind, str) else kind if isinstance(kind, list) else []
+    openers = [_TYPE_OPENERS.get(k) for k in kinds]
+    if not kinds or None in openers or any(char in opener for opener in openers):
+        return FITS
+    return QUOTED if char == '"' else BREAKS
+
+
+def _string_fit(frame: _String, parent: _Frame, char: str) -> int:
+    """How `char` fits inside the string `frame` (a key of `parent`, or a value)."""
+    if frame.escaped or char == "\\":
+        return FITS
+    if frame.is_key:
+        assert isinstance(parent, _Object)
+        candidates = parent.unwritten()
+    else:
+        candidates = [v for v in _enum(frame.schema) or [] if isinstance(v, str)]
+        if not candidates and char == '"' and frame.text in _TYPE_NAMES:
+            return BREAKS
+    if not candidates:
+        return FITS
+    if char == '"':
+        return FITS if frame.text in candidates else BREAKS
+    return FITS if any(c.startswith(frame.text + char) for c in candidates) else BREAKS
+
+
 def _completion(prefix: str, candidates: list[str]) -> str:
     """What every candidate that starts with `prefix` writes next: the rest and its closing quote where one
     candidate is left, else their common continuation."""
@@ -255,11 +289,14 @@ class AnswerReader:
         self.stack: list[_Frame] = []
         self.style = _Style()
         self.ended = False  # the last character read closed a call (or the JSON the answer was to write)
+        # the answer wrote a key the schema does not have, or a value of another type (a string excepted): its
+        # JSON follows something else (seen: a small model writing out the tool definitions themselves)
+        self.strayed = False
 
     def clone(self) -> AnswerReader:
         other = AnswerReader(self.structure)
         other.mode, other.wrapper, other.line, other.pending = self.mode, self.wrapper, self.line, self.pending
-        other.ended = self.ended
+        other.ended, other.strayed = self.ended, self.strayed
         other.stack = [frame.copy() for frame in self.stack]
         other.style = replace(self.style)
         return other
@@ -358,6 +395,7 @@ class AnswerReader:
             assert isinstance(parent, _Object | _Array)
             if frame.is_key:
                 assert isinstance(parent, _Object)
+                self.strayed = self.strayed or bool(parent.properties()) and frame.text not in parent.properties()
                 parent.keys.append(frame.text)
                 parent.phase, parent.gap = "colon", ""
             else:
@@ -382,6 +420,7 @@ class AnswerReader:
             frame.phase, frame.gap = "value", ""
         elif phase == "value":
             self.style.learn("colon", frame.gap)
+            self.strayed = self.strayed or _opening_fit(frame.value_schema(), char) == BREAKS
             return self._open_value(frame.value_schema(), char)
         elif phase == "next" and char == ",":
             frame.phase, frame.gap = "key", ""
@@ -428,6 +467,37 @@ class AnswerReader:
         parent.phase, parent.gap = "next", ""
         if isinstance(parent, _Array):
             parent.count += 1
+
+    def fit(self, text: str) -> int:
+        """How well `text` keeps to the schema where the reader stands (the reader is not changed): FITS,
+        QUOTED (somewhere a string where the schema says another type: models quote numbers and write
+        references such as "$var1.id$" there) or BREAKS (JSON syntax broken, a key that begins none of the
+        object's unwritten properties, a string that begins no enum value, a value opened as another type, or a
+        value that is a JSON Schema type name: text copied from the tool definitions). Prose always fits."""
+        probe, fit = self.clone(), FITS
+        for char in text:
+            fit = max(fit, probe._fit(char))
+            in_json = probe.mode == "json"
+            if fit == BREAKS:
+                return BREAKS
+            probe._read(char)
+            if in_json and probe.mode == "prose" and not probe.ended:
+                return BREAKS
+        return fit
+
+    def _fit(self, char: str) -> int:
+        if self.mode != "json" or not self.stack:
+            return FITS
+        frame = self.stack[-1]
+        if isinstance(frame, _String):
+            return _string_fit(frame, self.stack[-2], char)
+        if char.isspace():
+            return FITS
+        if isinstance(frame, _Object) and frame.phase == "value":
+            return _opening_fit(frame.value_schema(), char)
+        if isinstance(frame, _Array) and (frame.phase == "value" or (frame.phase == "open" and char != "]")):
+            return _opening_fit(frame.items(), char)
+        return FITS
 
     # what comes next
 

@@ -22,8 +22,8 @@ from dataclasses import dataclass, field, replace
 from typing import Protocol
 
 from specstand.drafters.base import Draft, Drafter, HiddenRows, SequenceView
-from specstand.drafters.json_reader import AnswerReader, Forced, answer_structure, forced_text
-from specstand.drafters.suffix import SuffixConfig, SuffixDrafter
+from specstand.drafters.json_reader import BREAKS, FITS, AnswerReader, Forced, answer_structure, forced_text
+from specstand.drafters.suffix import Keep, SuffixConfig, SuffixDrafter
 
 # samples of what may follow forced text where the structure does not say: no token of the text that one of
 # them would change is drafted, nor its last token ("" is the end of the answer)
@@ -109,19 +109,24 @@ class SchemaDrafter(Drafter):
         tokens: list[int] = []
         confidence: list[float] = []
         survival = 1.0
+        forced = self._forced_tokens(seq, tokens)
         while len(tokens) < max_tokens:
-            forced = self._forced_tokens(seq, tokens)[: max_tokens - len(tokens)]
             if forced:
+                forced = forced[: max_tokens - len(tokens)]
                 tokens += forced
                 confidence += [survival] * len(forced)
+                forced = self._forced_tokens(seq, tokens)
                 continue
             view = replace(seq, token_ids=seq.token_ids + tokens)
-            guess = self.suffix.propose(view, max_tokens - len(tokens))
+            guess = self.suffix.propose(view, max_tokens - len(tokens), self._fitting(seq, tokens))
+            if not guess.tokens:
+                break
             kept = self._until_structure(seq, tokens, guess.tokens)
             tokens += guess.tokens[:kept]
             confidence += [survival * p for p in (guess.confidence or [])[:kept]]
             survival = confidence[-1] if confidence else survival
-            if kept == len(guess.tokens):
+            forced = self._forced_tokens(seq, tokens)
+            if kept == len(guess.tokens) and not forced:  # the guess ran out where the structure leaves a choice
                 break
         return Draft(tokens, confidence=confidence)
 
@@ -131,6 +136,29 @@ class SchemaDrafter(Drafter):
     def end(self, seq: SequenceView) -> None:
         self.suffix.end(seq)
         self._answers.pop(seq.request_id, None)
+
+    def _fitting(self, seq: SequenceView, drafted: list[int]) -> Keep | None:
+        """The rule suffix decoding's guesses after `drafted` grow by: text that fits the schema (AnswerReader.fit:
+        a key among the object's unwritten properties, a value of its type, an enum value), so that a guess
+        copied from the tool definitions in the prompt (`{"type": "string"`) gives way to the likeliest one
+        that fits."""
+        answer = self._answers.get(seq.request_id)
+        if answer is None:
+            return None
+        before_ids = seq.output_ids + drafted
+        before = self.codec.decode(before_ids)
+        reader = answer.read(before) if not drafted else answer.guess(before)
+        if reader is None or reader.strayed:  # an answer that does not follow the schema is not held to it
+            return None
+
+        def keep(guess: list[int]) -> int | None:
+            text = self.codec.decode(before_ids + guess)
+            if not text.startswith(before):
+                return FITS  # the guess changes how the answer's last character decodes: no judgement
+            fit = reader.fit(text[len(before) :])
+            return None if fit == BREAKS else fit
+
+        return keep
 
     def _until_structure(self, seq: SequenceView, drafted: list[int], guess: list[int]) -> int:
         """How many tokens of suffix decoding's `guess` (after `drafted`) to keep: all, or those before the

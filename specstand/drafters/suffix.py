@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import gc
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import NamedTuple
@@ -32,6 +32,12 @@ def _collector_paused() -> Iterator[None]:
     finally:
         if was_enabled:
             gc.enable()
+
+
+# how well a draft (the tokens grown so far, the last one new) fits a composing drafter's rule: 0 best, larger
+# worse, None not at all. A draft grows by the best-fitting of the KEEP_TRIES most frequent children.
+Keep = Callable[[list[int]], int | None]
+KEEP_TRIES = 4
 
 
 class Candidate(NamedTuple):
@@ -81,16 +87,18 @@ class SuffixTree:
                 node = child
 
     def best_draft(
-        self, context: list[int], max_tokens: int, min_prob: float, max_spec_factor: float = 1.0
+        self, context: list[int], max_tokens: int, min_prob: float, max_spec_factor: float = 1.0,
+        keep: Keep | None = None,
     ) -> Candidate:
         """The best-scoring draft over all match lengths m; a match of m tokens drafts at most
-        m * max_spec_factor tokens (short matches are weak evidence)."""
+        m * max_spec_factor tokens (short matches are weak evidence). With `keep`, a draft grows only by
+        tokens it accepts (the most frequent such child)."""
         best = Candidate([], 0.0, [])
         for m in range(1, min(len(context), self.max_depth - 1) + 1):
             node = self._walk(context[-m:])
             if node is None:
                 break  # a longer suffix contains this one, so it cannot match either
-            candidate = self._grow(node, min(max_tokens, int(m * max_spec_factor)), min_prob)
+            candidate = self._grow(node, min(max_tokens, int(m * max_spec_factor)), min_prob, keep)
             if candidate.score > best.score:
                 best = candidate
         return best
@@ -104,12 +112,19 @@ class SuffixTree:
         return node
 
     @staticmethod
-    def _grow(node: _Node, max_tokens: int, min_prob: float) -> Candidate:
+    def _grow(node: _Node, max_tokens: int, min_prob: float, keep: Keep | None = None) -> Candidate:
         draft: list[int] = []
         probs: list[float] = []
         prob = 1.0
         while len(draft) < max_tokens and node.children:
-            token, child = max(node.children.items(), key=lambda item: item[1].count)
+            if keep is None:
+                token, child = max(node.children.items(), key=lambda item: item[1].count)
+            else:
+                ranked = sorted(node.children.items(), key=lambda item: -item[1].count)[:KEEP_TRIES]
+                fits = [(fit, i) for i, (token, _) in enumerate(ranked) if (fit := keep([*draft, token])) is not None]
+                if not fits:
+                    break
+                token, child = ranked[min(fits)[1]]
             prob *= child.count / node.count
             if prob < min_prob:
                 break
@@ -143,13 +158,15 @@ class SuffixDrafter(Drafter):
                 tree.append(token)
         self._local[seq.request_id] = tree
 
-    def propose(self, seq: SequenceView, max_tokens: int) -> Draft:
+    def propose(self, seq: SequenceView, max_tokens: int, keep: Keep | None = None) -> Draft:
+        """With `keep` (a composing drafter's rule, e.g. a schema's), drafts grow only by tokens it accepts."""
         if max_tokens <= 0:
             return Draft([])
         context = seq.token_ids[-self.config.max_depth :]
         cfg = self.config
-        local = self._local[seq.request_id].best_draft(context, max_tokens, cfg.min_token_prob, cfg.max_spec_factor)
-        shared = self.global_tree.best_draft(context, max_tokens, cfg.min_token_prob, cfg.max_spec_factor)
+        local = self._local[seq.request_id].best_draft(context, max_tokens, cfg.min_token_prob, cfg.max_spec_factor,
+                                                       keep)
+        shared = self.global_tree.best_draft(context, max_tokens, cfg.min_token_prob, cfg.max_spec_factor, keep)
         best = max(local, shared, key=lambda candidate: candidate.score)
         return Draft(best.tokens, confidence=best.probs)
 

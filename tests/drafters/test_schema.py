@@ -7,7 +7,16 @@ import json
 import pytest
 
 from specstand.drafters import METHODS, SequenceView, make_drafter
-from specstand.drafters.json_reader import AnswerReader, Forced, answer_structure, forced_text, tools_in_text
+from specstand.drafters.json_reader import (
+    BREAKS,
+    FITS,
+    QUOTED,
+    AnswerReader,
+    Forced,
+    answer_structure,
+    forced_text,
+    tools_in_text,
+)
 from specstand.drafters.schema import HFTextCodec, SchemaDrafter, continuation_tokens
 from specstand.engine import Engine, EngineConfig, Request
 from specstand.models.presets import is_fetched, preset_dir
@@ -203,6 +212,63 @@ def test_where_a_copied_value_ends_the_schemas_next_key_takes_over():
     # suffix decoding copies the value and would go on with "zone"; the next required key follows instead
     assert codec.decode(draft.tokens).startswith('LAND", "arrival_date')
     assert len(draft.confidence) == len(draft.tokens) and draft.confidence == sorted(draft.confidence, reverse=True)
+
+
+def fit_after(text: str, then: str) -> int:
+    reader = AnswerReader(answer_structure(CFB_TOOLS, None))
+    reader.feed(text)
+    return reader.fit(then)
+
+
+def test_how_guessed_text_fits_the_schema():
+    start = '{"name": "Search_Hotels", "arguments": {"dest_id": 2632, '
+    assert fit_after(start, '"search_type": "CITY", "adu') == FITS
+    assert fit_after(start, '"dest_id": 1') == BREAKS  # a key already written
+    assert fit_after(start, '"query": "') == BREAKS  # a key of another function
+    assert fit_after(start, '"adults": {"type"') == BREAKS  # a number opened as an object: the schema copied
+    assert fit_after(start, '"adults": "$var1.adults$"') == QUOTED  # a string where the schema says number
+    assert fit_after(start, '"search_type": "string"') == BREAKS  # a type name as the value: the schema copied
+    assert fit_after(start, '"sort_by": "pop') == FITS
+    assert fit_after(start, '"sort_by": "cheap') == BREAKS  # no enum value starts so
+    assert fit_after(start, '"adults": 2}}') == FITS
+    assert fit_after(start, '"adults": 2]') == BREAKS  # JSON syntax
+    assert fit_after("Let me search.", " Then {") == FITS  # prose, then the call opens
+    reader = AnswerReader(answer_structure(CFB_TOOLS, None))
+    reader.feed(start)
+    reader.fit('"query": "')
+    assert forced_text(reader, 100).text == '"search_type": "'  # fit() leaves the reader where it was
+    assert not reader.strayed
+    reader.feed('"adults": "$var1.adults$", ')
+    assert not reader.strayed  # a string stands for any type
+    reader.feed('"type": "object"')
+    assert reader.strayed  # a key Search_Hotels does not have: the answer follows something else
+
+
+class CharCodec:
+    """One token per character: suffix matches see the text as it is written."""
+
+    def encode(self, text: str) -> list[int]:
+        return [ord(char) for char in text]
+
+    def decode(self, token_ids: list[int]) -> str:
+        return "".join(map(chr, token_ids))
+
+
+def test_suffix_guesses_give_way_to_text_that_fits_the_schema():
+    """The prompt's tool definitions say `"adults": {"type": "number"` twice; an earlier answer wrote a number
+    there once. Suffix decoding alone copies the definitions (the likelier continuation); within the schema it
+    takes the answer's."""
+    codec = CharCodec()
+    prompt = codec.encode('"adults": {"type": "number"}, "adults": {"type": "number"}\nearlier: {"room_qty": 1, '
+                          '"adults": 2}\n')
+    answer = codec.encode('{"name": "Search_Hotels", "arguments": {"adults":')
+    seq = SequenceView(0, prompt + answer, len(prompt), tools=CFB_TOOLS)
+    suffix = make_drafter("suffix")
+    suffix.begin(seq)
+    assert codec.decode(suffix.propose(seq, 4).tokens) == ' {"t'
+    drafter = SchemaDrafter(codec)
+    drafter.begin(seq)
+    assert codec.decode(drafter.propose(seq, 4).tokens).startswith(" 2")
 
 
 def test_schema_is_a_method_and_needs_the_tokenizer():

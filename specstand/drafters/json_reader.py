@@ -141,6 +141,38 @@ _TYPE_OPENERS = {"string": '"', "object": "{", "array": "[", "boolean": "tf", "n
 _TYPE_NAMES = frozenset(("string", "number", "integer", "boolean", "object", "array", "null"))
 
 
+_WORD_CHARS = frozenset("-_.:/$@+#%&=")  # what a copied word-like value (a date, an id, a time) may hold
+_NUMBER_CHARS = frozenset("0123456789.eE+-")
+
+
+def copied_value(source: str, kind: str, written: str, longest: int = 60) -> tuple[str, float] | None:
+    """The rest of a value whose first characters `written` were copied from `source` (the prompt: the user's
+    words, earlier tool results), where `source` holds them at the start of a word: the continuation most
+    occurrences share, and the share of occurrences that agree. A string copied from inside quotes runs to its
+    closing quote; from running text, to the end of its word (then the value's closing quote); a number to its
+    last digit."""
+    rests: dict[str, int] = {}
+    for at in _occurrences(source, written):
+        if at > 0 and (source[at - 1].isalnum() or (kind == "scalar" and source[at - 1] in _NUMBER_CHARS)):
+            continue
+        after = source[at + len(written) : at + len(written) + longest]
+        if kind == "scalar":
+            end = next((i for i, c in enumerate(after) if c not in _NUMBER_CHARS), None)
+            rest = after[:end] if end is not None else None
+        elif at > 0 and source[at - 1] == '"':
+            end = after.find('"')
+            rest = after[: end + 1] if end >= 0 else None
+        else:
+            end = next((i for i, c in enumerate(after) if not (c.isalnum() or c in _WORD_CHARS)), None)
+            rest = after[:end].rstrip(".:") + '"' if end is not None else None
+        if rest is not None:
+            rests[rest] = rests.get(rest, 0) + 1
+    if not rests:
+        return None
+    best = max(rests, key=lambda rest: rests[rest])  # the first of the most frequent: dicts keep their order
+    return (best, rests[best] / sum(rests.values())) if best not in ("", '"') else None
+
+
 def _opening_fit(schema: dict, char: str) -> int:
     """How a value of `schema` starting with `char` fits (any start fits where its type is not one of JSON's)."""
     kind = schema.get("type")
@@ -467,6 +499,16 @@ class AnswerReader:
         parent.phase, parent.gap = "next", ""
         if isinstance(parent, _Array):
             parent.count += 1
+
+    def open_value(self) -> tuple[str, str] | None:
+        """("string", its text so far) or ("scalar", its text so far) where the answer is writing a value (not a
+        key), else None."""
+        frame = self.stack[-1] if self.mode == "json" and self.stack else None
+        if isinstance(frame, _String) and not frame.is_key and not frame.escaped:
+            return "string", frame.text
+        if isinstance(frame, _Scalar):
+            return "scalar", frame.text
+        return None
 
     def fit(self, text: str) -> int:
         """How well `text` keeps to the schema where the reader stands (the reader is not changed): FITS,

@@ -5,10 +5,12 @@ Per request, the tools and response format (or a tools list found in the prompt)
 unique function name, `", "arguments": {"`, required keys, enum values, closing braces and tags), the
 drafter drafts its tokens with confidence 1.0; inside free values (strings, numbers) and wherever the text
 has a choice it drafts by suffix decoding over the prompt, the conversation and earlier answers (a composed
-`SuffixDrafter`, whose path probabilities are the confidence). The two take turns within a draft: suffix
-decoding goes on after forced tokens, and its guess gives way where the structure forces other text (past a
-copied value, the schema's next key). Training-free and lossless like every drafter: an answer that leaves the schema
-only makes the forced drafts stop.
+`SuffixDrafter`, whose path probabilities are the confidence), its guesses held to what fits the schema. A
+value whose first characters begin a word of the prompt's text is copied by that text (the prompt may split
+the word into other tokens than the answer does, where suffix decoding finds no match). They take turns
+within a draft: suffix decoding goes on after forced tokens, and its guess gives way where the structure
+forces other text (past a copied value, the schema's next key). Training-free and lossless like every
+drafter: an answer that leaves the schema only makes the forced drafts stop.
 
 Tokens: a BPE token may span the end of the answer so far and the start of the forced text, or the end of
 the forced text and what follows. So the answer's last few tokens are decoded and encoded again with the
@@ -22,7 +24,15 @@ from dataclasses import dataclass, field, replace
 from typing import Protocol
 
 from specstand.drafters.base import Draft, Drafter, HiddenRows, SequenceView
-from specstand.drafters.json_reader import BREAKS, FITS, AnswerReader, Forced, answer_structure, forced_text
+from specstand.drafters.json_reader import (
+    BREAKS,
+    FITS,
+    AnswerReader,
+    Forced,
+    answer_structure,
+    copied_value,
+    forced_text,
+)
 from specstand.drafters.suffix import Keep, SuffixConfig, SuffixDrafter
 
 # samples of what may follow forced text where the structure does not say: no token of the text that one of
@@ -63,6 +73,7 @@ class _Answer:
     """One request's reader and the answer text it has read."""
 
     reader: AnswerReader
+    prompt: str  # the prompt's text, where values are copied from
     text: str = ""
 
     def read(self, text: str) -> AnswerReader:
@@ -95,15 +106,16 @@ class SchemaDrafter(Drafter):
 
     def begin(self, seq: SequenceView) -> None:
         self.suffix.begin(seq)
-        prompt_text = "" if seq.tools else self.codec.decode(seq.token_ids[: seq.prompt_len])
-        structure = answer_structure(seq.tools, seq.response_format, prompt_text)
+        prompt_text = self.codec.decode(seq.token_ids[: seq.prompt_len])
+        structure = answer_structure(seq.tools, seq.response_format, "" if seq.tools else prompt_text)
         if structure is not None:
-            self._answers[seq.request_id] = _Answer(AnswerReader(structure))
+            self._answers[seq.request_id] = _Answer(AnswerReader(structure), prompt_text)
 
     def propose(self, seq: SequenceView, max_tokens: int) -> Draft:
-        """Forced tokens where the structure forces them, else suffix decoding's guess up to where the
-        structure forces something else, in turns. A token's confidence is the chance that the draft survives
-        to it as suffix statistics tell (forced text does not lower it)."""
+        """Forced tokens where the structure forces them, else the rest of a value the prompt's text holds,
+        else suffix decoding's guess up to where the structure forces something else, in turns. A token's
+        confidence is the chance that the draft survives to it as suffix statistics (or the share of the
+        prompt's occurrences of a copied value that agree) tell; forced text does not lower it."""
         if max_tokens <= 0:
             return Draft([])
         tokens: list[int] = []
@@ -115,6 +127,14 @@ class SchemaDrafter(Drafter):
                 forced = forced[: max_tokens - len(tokens)]
                 tokens += forced
                 confidence += [survival] * len(forced)
+                forced = self._forced_tokens(seq, tokens)
+                continue
+            copied, share = self._copied_tokens(seq, tokens)
+            if copied:
+                copied = copied[: max_tokens - len(tokens)]
+                tokens += copied
+                survival *= share
+                confidence += [survival] * len(copied)
                 forced = self._forced_tokens(seq, tokens)
                 continue
             view = replace(seq, token_ids=seq.token_ids + tokens)
@@ -159,6 +179,26 @@ class SchemaDrafter(Drafter):
             return None if fit == BREAKS else fit
 
         return keep
+
+    def _copied_tokens(self, seq: SequenceView, drafted: list[int]) -> tuple[list[int], float]:
+        """Where the answer writes a value whose start the prompt holds (a word of the user's, a tool result's
+        field) but no token sequence matches (the prompt splits it into other tokens): the rest of it, as
+        `copied_value` reads the prompt's text, in the answer's tokens; and the share of the prompt's
+        occurrences that agree."""
+        answer = self._answers.get(seq.request_id)
+        if answer is None:
+            return [], 0.0
+        answer_ids = seq.output_ids + drafted
+        text = self.codec.decode(answer_ids)
+        reader = answer.read(text) if not drafted else answer.guess(text)
+        value = reader.open_value() if reader is not None else None
+        if value is None or not value[1]:
+            return [], 0.0
+        copied = copied_value(answer.prompt, *value)
+        if copied is None:
+            return [], 0.0
+        rest, share = copied
+        return continuation_tokens(self.codec, answer_ids, Forced(rest, None), self.config.tail_tokens), share
 
     def _until_structure(self, seq: SequenceView, drafted: list[int], guess: list[int]) -> int:
         """How many tokens of suffix decoding's `guess` (after `drafted`) to keep: all, or those before the

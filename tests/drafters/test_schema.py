@@ -14,6 +14,7 @@ from specstand.drafters.json_reader import (
     AnswerReader,
     Forced,
     answer_structure,
+    copied_value,
     forced_text,
     tools_in_text,
 )
@@ -269,6 +270,28 @@ def test_suffix_guesses_give_way_to_text_that_fits_the_schema():
     drafter = SchemaDrafter(codec)
     drafter.begin(seq)
     assert codec.decode(drafter.propose(seq, 4).tokens).startswith(" 2")
+
+
+def test_values_copied_from_the_prompts_text():
+    words = "Find news about politics in India, about Politics too."
+    assert copied_value(words, "string", "pol") == ('itics"', 1.0)  # to the end of the word, then the quote
+    assert copied_value(words, "string", "olit") is None  # only where a word starts
+    assert copied_value('{"product_id": "WH-1000XM4 Pro", "page": 1}', "string", "WH") == ('-1000XM4 Pro"', 1.0)
+    assert copied_value("near 34.0522, -118.2437 at 2024-11-25", "scalar", "34") == (".0522", 1.0)
+    assert copied_value("near 34.0522, -118.2437", "scalar", "4") is None  # inside another number
+    assert copied_value("on 2024-11-25 or 2024-11-27, else 2024-11-25 then", "string", "2024") == ('-11-25"', 2 / 3)
+    assert copied_value("politics", "string", "politics") is None  # nothing left to write
+
+
+def test_a_value_the_prompt_splits_into_other_tokens_is_copied_by_its_text():
+    codec = json_piece_codec(300)
+    prompt = codec.encode("Find news about politics in India.\n")
+    answer = codec.encode('{"name": "Search_Car_Location", "arguments": {"query": "pol')
+    seq = SequenceView(0, prompt + answer, len(prompt), tools=CFB_TOOLS)
+    drafter = SchemaDrafter(codec)
+    drafter.begin(seq)
+    draft = drafter.propose(seq, 8)
+    assert codec.decode(draft.tokens).startswith("itics")
 
 
 def test_schema_is_a_method_and_needs_the_tokenizer():

@@ -12,6 +12,7 @@ closing braces, the wrapper's closing. Whitespace follows what the answer has wr
 
 from __future__ import annotations
 
+import copy
 import json
 from collections.abc import Iterator
 from dataclasses import dataclass, field, replace
@@ -268,14 +269,16 @@ class _Object:
         return schema if isinstance(schema, dict) else {}
 
     def copy(self) -> _Object:
-        return replace(self, keys=list(self.keys), strings=dict(self.strings))
+        other = copy.copy(self)  # dataclasses.replace re-runs __init__: readers are cloned per drafted token
+        other.keys, other.strings = list(self.keys), dict(self.strings)
+        return other
 
 
 class _FlatFrame:
     """A frame whose fields are never changed in place: a shallow copy is a full one."""
 
     def copy(self) -> Self:
-        return replace(self)
+        return copy.copy(self)
 
 
 @dataclass

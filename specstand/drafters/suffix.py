@@ -121,10 +121,10 @@ class SuffixTree:
                 token, child = max(node.children.items(), key=lambda item: item[1].count)
             else:
                 ranked = sorted(node.children.items(), key=lambda item: -item[1].count)[:KEEP_TRIES]
-                fits = [(fit, i) for i, (token, _) in enumerate(ranked) if (fit := keep([*draft, token])) is not None]
-                if not fits:
+                kept = _best_fit(ranked, draft, keep)
+                if kept is None:
                     break
-                token, child = ranked[min(fits)[1]]
+                token, child = kept
             prob *= child.count / node.count
             if prob < min_prob:
                 break
@@ -132,6 +132,18 @@ class SuffixTree:
             probs.append(prob)
             node = child
         return Candidate(draft, sum(probs), probs)
+
+
+def _best_fit(ranked: list[tuple[int, _Node]], draft: list[int], keep: Keep) -> tuple[int, _Node] | None:
+    """The first child (most frequent first) that fits best; a perfect fit (0) ends the search."""
+    best, best_fit = None, None
+    for item in ranked:
+        fit = keep([*draft, item[0]])
+        if fit is not None and (best_fit is None or fit < best_fit):
+            best, best_fit = item, fit
+            if fit == 0:
+                break
+    return best
 
 
 @dataclass(frozen=True)

@@ -202,14 +202,19 @@ def test_drafts_go_on_by_suffix_decoding_and_carry_confidence():
     assert drafter._answers == {} and drafter.suffix._local == {}
 
 
-def test_where_a_copied_value_ends_the_schemas_next_key_takes_over():
-    codec = json_piece_codec(200)
-    prompt = codec.encode('{"search_type": "LAND", "zone": 1}\n')
-    answer = codec.encode('{"name": "Search_Hotels", "arguments": {"search_type": "')
-    seq = SequenceView(0, prompt + answer, len(prompt), tools=CFB_TOOLS)
+def schema_draft(codec, prompt: str, answer: str, tokens: int):
+    """The schema drafter's draft after `answer`, for a request with CFB_TOOLS and `prompt`."""
+    prompt_ids = codec.encode(prompt)
+    seq = SequenceView(0, prompt_ids + codec.encode(answer), len(prompt_ids), tools=CFB_TOOLS)
     drafter = SchemaDrafter(codec)
     drafter.begin(seq)
-    draft = drafter.propose(seq, 20)
+    return drafter.propose(seq, tokens)
+
+
+def test_where_a_copied_value_ends_the_schemas_next_key_takes_over():
+    codec = json_piece_codec(200)
+    draft = schema_draft(codec, '{"search_type": "LAND", "zone": 1}\n',
+                         '{"name": "Search_Hotels", "arguments": {"search_type": "', 20)
     # suffix decoding copies the value and would go on with "zone"; the next required key follows instead
     assert codec.decode(draft.tokens).startswith('LAND", "arrival_date')
     assert len(draft.confidence) == len(draft.tokens) and draft.confidence == sorted(draft.confidence, reverse=True)
@@ -260,16 +265,13 @@ def test_suffix_guesses_give_way_to_text_that_fits_the_schema():
     there once. Suffix decoding alone copies the definitions (the likelier continuation); within the schema it
     takes the answer's."""
     codec = CharCodec()
-    prompt = codec.encode('"adults": {"type": "number"}, "adults": {"type": "number"}\nearlier: {"room_qty": 1, '
-                          '"adults": 2}\n')
-    answer = codec.encode('{"name": "Search_Hotels", "arguments": {"adults":')
-    seq = SequenceView(0, prompt + answer, len(prompt), tools=CFB_TOOLS)
+    prompt = '"adults": {"type": "number"}, "adults": {"type": "number"}\nearlier: {"room_qty": 1, "adults": 2}\n'
+    answer = '{"name": "Search_Hotels", "arguments": {"adults":'
+    seq = SequenceView(0, codec.encode(prompt + answer), len(prompt), tools=CFB_TOOLS)
     suffix = make_drafter("suffix")
     suffix.begin(seq)
     assert codec.decode(suffix.propose(seq, 4).tokens) == ' {"t'
-    drafter = SchemaDrafter(codec)
-    drafter.begin(seq)
-    assert codec.decode(drafter.propose(seq, 4).tokens).startswith(" 2")
+    assert codec.decode(schema_draft(codec, prompt, answer, 4).tokens).startswith(" 2")
 
 
 def test_values_copied_from_the_prompts_text():
@@ -285,12 +287,8 @@ def test_values_copied_from_the_prompts_text():
 
 def test_a_value_the_prompt_splits_into_other_tokens_is_copied_by_its_text():
     codec = json_piece_codec(300)
-    prompt = codec.encode("Find news about politics in India.\n")
-    answer = codec.encode('{"name": "Search_Car_Location", "arguments": {"query": "pol')
-    seq = SequenceView(0, prompt + answer, len(prompt), tools=CFB_TOOLS)
-    drafter = SchemaDrafter(codec)
-    drafter.begin(seq)
-    draft = drafter.propose(seq, 8)
+    draft = schema_draft(codec, "Find news about politics in India.\n",
+                         '{"name": "Search_Car_Location", "arguments": {"query": "pol', 8)
     assert codec.decode(draft.tokens).startswith("itics")
 
 

@@ -12,7 +12,6 @@ closing braces, the wrapper's closing. Whitespace follows what the answer has wr
 
 from __future__ import annotations
 
-import copy
 import json
 from collections.abc import Iterator
 from dataclasses import dataclass, field, replace
@@ -269,16 +268,14 @@ class _Object:
         return schema if isinstance(schema, dict) else {}
 
     def copy(self) -> _Object:
-        other = copy.copy(self)  # dataclasses.replace re-runs __init__: readers are cloned per drafted token
-        other.keys, other.strings = list(self.keys), dict(self.strings)
-        return other
+        return replace(self, keys=list(self.keys), strings=dict(self.strings))
 
 
 class _FlatFrame:
     """A frame whose fields are never changed in place: a shallow copy is a full one."""
 
     def copy(self) -> Self:
-        return copy.copy(self)
+        return replace(self)
 
 
 @dataclass

@@ -167,19 +167,25 @@ class SchemaDrafter(Drafter):
         self.suffix.end(seq)
         self._answers.pop(seq.request_id, None)
 
+    def _reader_after(self, seq: SequenceView, drafted: list[int]) -> tuple[_Answer | None, AnswerReader | None]:
+        """The request's answer and a reader of it followed by `drafted` (None where their decoding differs).
+        With nothing drafted this reads the answer's new text; a draft's first step does so before its guesses
+        are read behind it."""
+        answer = self._answers.get(seq.request_id)
+        if answer is None:
+            return None, None
+        text = self.codec.decode(seq.output_ids + drafted)
+        return answer, answer.read(text) if not drafted else answer.guess(text)
+
     def _fitting(self, seq: SequenceView, drafted: list[int]) -> Keep | None:
         """The rule suffix decoding's guesses after `drafted` grow by: text that fits the schema (AnswerReader.fit:
         a key among the object's unwritten properties, a value of its type, an enum value), so that a guess
         copied from the tool definitions in the prompt (`{"type": "string"`) gives way to the likeliest one
         that fits."""
-        answer = self._answers.get(seq.request_id)
-        if answer is None:
-            return None
-        before_ids = seq.output_ids + drafted
-        before = self.codec.decode(before_ids)
-        reader = answer.read(before) if not drafted else answer.guess(before)
+        _, reader = self._reader_after(seq, drafted)
         if reader is None or reader.strayed:  # an answer that does not follow the schema is not held to it
             return None
+        before_ids = seq.output_ids + drafted
 
         # the guess's text is decoded behind the answer's last few tokens only (a byte-level token may end
         # inside a character; a whole re-decode of the answer per tried token cost more than the pass saved)
@@ -204,19 +210,15 @@ class SchemaDrafter(Drafter):
         field) but no token sequence matches (the prompt splits it into other tokens): the rest of it, as
         `copied_value` reads the prompt's text, in the answer's tokens; and the share of the prompt's
         occurrences that agree."""
-        answer = self._answers.get(seq.request_id)
-        if answer is None:
-            return [], 0.0
-        answer_ids = seq.output_ids + drafted
-        text = self.codec.decode(answer_ids)
-        reader = answer.read(text) if not drafted else answer.guess(text)
+        answer, reader = self._reader_after(seq, drafted)
         value = reader.open_value() if reader is not None else None
-        if value is None or not value[1]:
+        if answer is None or value is None or not value[1]:
             return [], 0.0
         copied = copied_value(answer.prompt, *value)
         if copied is None:
             return [], 0.0
         rest, share = copied
+        answer_ids = seq.output_ids + drafted
         return continuation_tokens(self.codec, answer_ids, Forced(rest, None), self.config.tail_tokens), share
 
     def _until_structure(self, seq: SequenceView, drafted: list[int], guess: list[int]) -> int:
@@ -248,17 +250,11 @@ class SchemaDrafter(Drafter):
 
     def _forced_after(self, seq: SequenceView, drafted: list[int] | None = None) -> list[int]:
         """The forced tokens after the answer so far and the tokens `drafted` after it in this draft."""
-        answer = self._answers.get(seq.request_id)
-        if answer is None:
+        _, reader = self._reader_after(seq, drafted or [])
+        if reader is None:
             return []
-        answer_ids = seq.output_ids
-        reader = answer.read(self.codec.decode(answer_ids))
-        if drafted:
-            answer_ids = answer_ids + drafted
-            reader = answer.guess(self.codec.decode(answer_ids))
-            if reader is None:
-                return []
         forced = forced_text(reader, self.config.max_forced_chars)
+        answer_ids = seq.output_ids + (drafted or [])
         return continuation_tokens(self.codec, answer_ids, forced, self.config.tail_tokens) if forced.text else []
 
 

@@ -6,11 +6,10 @@ def test_appending_tree_counts_every_window():
     tree = SuffixTree(max_depth=3)
     for token in [1, 2, 1, 2, 1]:
         tree.append(token)
-    root = tree.root
-    assert root.children[1].count == 3 and root.children[2].count == 2
-    assert root.children[1].children[2].count == 2
-    assert root.children[1].children[2].children[1].count == 2
-    assert 2 not in root.children[1].children[2].children[1].children  # depth is capped at 3
+    assert tree.count([1]) == 3 and tree.count([2]) == 2
+    assert tree.count([1, 2]) == 2
+    assert tree.count([1, 2, 1]) == 2
+    assert tree.count([1, 2, 1, 2]) == 0  # depth is capped at 3
 
 
 def test_add_and_remove_are_inverse():
@@ -21,10 +20,21 @@ def test_add_and_remove_are_inverse():
     reference = SuffixTree(max_depth=4)
     reference.add([1, 2, 3, 4, 5])
 
-    def dump(node):
-        return {t: (c.count, dump(c)) for t, c in node.children.items()}
+    def dump(tree, node=0):
+        return {t: (tree.counts[c], dump(tree, c)) for t, c in tree.children[node].items()}
 
-    assert dump(tree.root) == dump(reference.root)
+    assert dump(tree) == dump(reference)
+
+
+def test_removed_nodes_are_reused():
+    tree = SuffixTree(max_depth=4)
+    tree.add([1, 2, 3, 4, 5])
+    size = len(tree.counts)
+    for _ in range(3):
+        tree.add([6, 7, 8])
+        tree.add([6, 7, 8], delta=-1)
+    assert len(tree.counts) == size + 6  # the windows of [6, 7, 8] once, their ids reused after
+    assert tree.count([6]) == 0 and tree.count([1, 2, 3]) == 1
 
 
 def test_draft_follows_the_most_frequent_path_while_probable():

@@ -214,30 +214,60 @@ def _completion(prefix: str, candidates: list[str]) -> str:
     return shortest[len(prefix) : common]
 
 
+NEWLINE = "\n"  # a style's gap that breaks the line, then indents to the depth of the container it is in
+
+
 @dataclass
 class _Style:
     """Whitespace after ':' and ',', after '{'/'[' and before '}'/']': json.dumps' until the answer shows its
-    own (None: it varies, as indentation does)."""
+    own. A gap that breaks the line (json.dumps with indent=N) goes on with one indentation unit per level,
+    the unit as the answer first wrote it (None: not known yet, or the gap varies)."""
 
     colon: str | None = " "
     comma: str | None = " "
     open: str | None = ""
     close: str | None = ""
+    indent: str | None = None  # one level's indentation, once a line break showed it
     learned: frozenset[str] = frozenset()
 
-    def learn(self, kind: str, gap: str) -> None:
-        if kind not in self.learned:
-            setattr(self, kind, None if "\n" in gap else gap)
-            self.learned = self.learned | {kind}
-            if kind == "colon" and "comma" not in self.learned:
+    def learn(self, kind: str, gap: str, depth: int) -> None:
+        """The answer wrote `gap` as a `kind` gap inside a container `depth` levels deep (1: the root's)."""
+        if kind in self.learned:
+            return
+        self.learned = self.learned | {kind}
+        if "\n" not in gap:
+            setattr(self, kind, gap)
+            if kind == "colon" and "comma" not in self.learned and self.comma != NEWLINE:
                 self.comma = self.colon  # json.dumps writes both with a space, or (compact) neither
+            return
+        if kind == "colon":
+            self.colon = None
+            return
+        setattr(self, kind, NEWLINE)
+        if kind == "open":  # an indenting json.dumps breaks the line after every ',' and before each closing too
+            for other in ("comma", "close"):
+                if other not in self.learned:
+                    setattr(self, other, NEWLINE)
+        level, line = _level(kind, depth), gap[gap.rindex("\n") + 1 :]
+        if self.indent is None and level and line and len(line) % level == 0 and len(set(line)) == 1:
+            self.indent = line[: len(line) // level]
 
-    def rest(self, kind: str, gap: str) -> str | None:
+    def rest(self, kind: str, gap: str, depth: int) -> str | None:
         """The whitespace still to come after `gap` was written, or None where unknown."""
         expected = getattr(self, kind)
+        if expected == NEWLINE:
+            level = _level(kind, depth)
+            if level and self.indent is None:
+                return None
+            expected = "\n" + (self.indent or "") * level
         if expected is None or not expected.startswith(gap):
             return None
         return expected[len(gap) :]
+
+
+def _level(kind: str, depth: int) -> int:
+    """The indentation level of a `kind` gap in a container `depth` levels deep: a closing goes back one."""
+    return depth - 1 if kind == "close" else depth
 
 
 @dataclass
@@ -443,15 +473,15 @@ class AnswerReader:
     def _read_object(self, frame: _Object, char: str) -> bool:
         phase = frame.phase
         if phase in ("open", "key") and char == '"':
-            self.style.learn("open" if phase == "open" else "comma", frame.gap)
+            self.style.learn("open" if phase == "open" else "comma", frame.gap, len(self.stack))
             self.stack.append(_String({}, is_key=True))
         elif phase in ("open", "next") and char == "}":
-            self.style.learn("close", frame.gap)
+            self.style.learn("close", frame.gap, len(self.stack))
             self._value_done()
         elif phase == "colon" and char == ":":
             frame.phase, frame.gap = "value", ""
         elif phase == "value":
-            self.style.learn("colon", frame.gap)
+            self.style.learn("colon", frame.gap, len(self.stack))
             self.strayed = self.strayed or _opening_fit(frame.value_schema(), char) == BREAKS
             return self._open_value(frame.value_schema(), char)
         elif phase == "next" and char == ",":
@@ -462,12 +492,12 @@ class AnswerReader:
 
     def _read_array(self, frame: _Array, char: str) -> bool:
         if frame.phase in ("open", "next") and char == "]":
-            self.style.learn("close", frame.gap)
+            self.style.learn("close", frame.gap, len(self.stack))
             self._value_done()
         elif frame.phase == "next" and char == ",":
             frame.phase, frame.gap = "value", ""
         elif frame.phase in ("open", "value"):
-            self.style.learn("open" if frame.phase == "open" else "comma", frame.gap)
+            self.style.learn("open" if frame.phase == "open" else "comma", frame.gap, len(self.stack))
             return self._open_value(frame.items(), char)
         else:
             return False
@@ -581,26 +611,26 @@ class AnswerReader:
         if frame.phase == "colon":
             return ":"
         if frame.phase == "value":
-            return self._then(self.style.rest("colon", frame.gap), _opener(frame.value_schema()))
+            return self._then(self._rest("colon", frame), _opener(frame.value_schema()))
         if frame.phase == "key":
-            return self._then(self.style.rest("comma", frame.gap), '"')
+            return self._then(self._rest("comma", frame), '"')
         if frame.phase == "open":
-            return self._then(self.style.rest("open", frame.gap), '"') if frame.next_required() else ""
+            return self._then(self._rest("open", frame), '"') if frame.next_required() else ""
         # next: a required key still to write, or every known key written
         if frame.next_required() is not None:
             return ","
         if frame.properties() and not frame.unwritten():
-            return self._then(self.style.rest("close", frame.gap), "}")
+            return self._then(self._rest("close", frame), "}")
         return ""
 
     def _forced_in_array(self, frame: _Array) -> str:
         if frame.phase == "value":
-            return self._then(self.style.rest("comma", frame.gap), _opener(frame.items()))
+            return self._then(self._rest("comma", frame), _opener(frame.items()))
         if frame.phase == "open":
             wanted = frame.schema.get("minItems", 0)
-            return self._then(self.style.rest("open", frame.gap), _opener(frame.items())) if wanted else ""
+            return self._then(self._rest("open", frame), _opener(frame.items())) if wanted else ""
         most = frame.schema.get("maxItems")
-        return self._then(self.style.rest("close", frame.gap), "]") if most is not None and frame.count >= most else ""
+        return self._then(self._rest("close", frame), "]") if most is not None and frame.count >= most else ""
 
     def followers(self) -> tuple[str, ...] | None:
         """Every text that may follow where the reader stands, where the structure knows them all: the
@@ -619,6 +649,10 @@ class AnswerReader:
             candidates = [v for v in _enum(frame.schema) or [] if isinstance(v, str)]
         matching = [c[len(frame.text) :] + '"' for c in candidates if c.startswith(frame.text)]
         return tuple(matching) or None
+
+    def _rest(self, kind: str, frame: _Object | _Array) -> str | None:
+        """The `kind` whitespace still to come in `frame` (the innermost container), None where unknown."""
+        return self.style.rest(kind, frame.gap, len(self.stack))
 
     @staticmethod
     def _then(whitespace: str | None, text: str) -> str:

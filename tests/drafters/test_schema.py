@@ -81,9 +81,17 @@ def test_wrappers_prose_before_the_json_and_the_closing():
 def test_whitespace_follows_what_the_answer_wrote():
     compact = '{"name":"Search_Car_Location",'
     assert forced_after(compact) == '"arguments":{"query":"'
-    indented = '{\n  "name": "Search_Car_Location",\n  '
-    assert forced_after(indented) == ""  # more indentation, or the key
-    assert forced_after(indented + '"') == 'arguments": {'  # where the indentation goes next is not known
+    indented = '{\n  "name": "Search_Car_Location",\n'
+    # json.dumps(indent=2): the rest of the line's indentation, the next key, and one level deeper inside
+    assert forced_after(indented) == '  "arguments": {\n    "query": "'
+    assert forced_after(indented + '  "arguments": {\n    "query": "Paris"') == "\n  }\n}"
+    assert forced_after('{\n\t"name": "Search_Car_Location",\n') == '\t"arguments": {\n\t\t"query": "'
+    assert forced_after('{\n\n  "name": "Search_Car_Location",\n') == '  "arguments": {\n    "query": "'
+    # a line break whose indentation does not divide into levels leaves it unknown
+    assert forced_after('{"name": "Search_Car_Location", "arguments": {\n   "query": "Paris",\n') == ""
+    # a first call whose braces open on the same line but whose commas break it: the commas' own gap
+    odd = '{"name": "Search_Car_Location",\n  "arguments": {"query": "Paris"'
+    assert forced_after(odd) == "}}"
 
 
 def test_literals_nested_objects_and_arrays():

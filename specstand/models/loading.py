@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -121,7 +123,16 @@ def load_model(model: str, dtype: str = "bf16", max_seq_len: int = 2048, log=pri
         stop_ids |= set(eos if isinstance(eos, list) else [eos]) - {None}
     except OSError:
         pass  # no generation_config.json
+    _return_freed_heap()
     return LoadedModel(model, path, decoder, tokenizer, frozenset(stop_ids), max_positions)
+
+
+def _return_freed_heap() -> None:
+    """Hand the heap that loading freed back to the system. glibc keeps it otherwise: a Qwen q8_0 load held
+    3.36 GB resident, 2.41 GB after this, and a stand serving nine methods side by side ran out of memory
+    on a 24 GB machine. Elsewhere than glibc there is nothing to do."""
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
 
 
 def target_model(hf_model, max_positions: int, log=print, weight_format: str = "bf16",

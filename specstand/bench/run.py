@@ -19,7 +19,6 @@ from specstand import kernels
 from specstand.bench.endpoints import OpenAIEndpoint
 from specstand.bench.replay import assign_turns, replay
 from specstand.bench.report import RunResult, write_report
-from specstand.drafters import method_default_k
 from specstand.drafters.trained import BLOCK_METHODS, read_spec, shipped_drafter
 from specstand.models.chat import render_chat
 from specstand.models.loading import resolve_model_path
@@ -77,7 +76,7 @@ def start_server(method: str, model: str, k: int | None, max_batch: int, dtype: 
     if speculative_config is not None:
         cmd += ["--speculative-config", speculative_config]
         config = json.loads(speculative_config)
-        k = config.get("num_speculative_tokens") or _default_k(str(config.get("method", "")), model, None)
+        k = config.get("num_speculative_tokens") or 5
     else:
         base = method.removesuffix(FIXED)
         cmd += ["--method", base] + (["--no-adaptive"] if base != method else [])
@@ -113,7 +112,7 @@ def _default_k(method: str, model: str, drafter: Path | None) -> int:
     folder = drafter or shipped_drafter(model, method)
     if folder is not None and method in BLOCK_METHODS:
         return read_spec(folder).block_drafts
-    return method_default_k(method)
+    return 5
 
 
 def wait_ready(target: Target) -> None:

@@ -52,7 +52,7 @@ def add_parsers(commands: argparse._SubParsersAction) -> None:
     bench.add_argument("--speculative-config", action="append", default=[],
                        help="also serve a target configured by vLLM's JSON (repeatable; needs --model)")
     bench.add_argument("--k", type=int, default=None,
-                       help="draft tokens per pass (default 5; schema 8; block drafters: the drafts of one block)")
+                       help="draft tokens per pass (default 5; block drafters: the drafts of one block)")
     bench.add_argument("--dtype", default="auto", choices=[*DTYPE_CHOICES, "auto"], help=AUTO_DTYPE_HELP)
     bench.add_argument("--max-seq-len", type=int, default=None,
                        help="context of each specstand server (default: the workload's longest call needs)")

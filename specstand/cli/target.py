@@ -29,7 +29,7 @@ def add_target_args(parser: argparse.ArgumentParser, vllm_spellings: bool = Fals
     parser.add_argument("--model", default="smollm2-135m", help="preset name, model folder or hub id")
     parser.add_argument("--method", default="none", help=f"one of {', '.join(METHODS)}")
     parser.add_argument("--k", type=int, default=None,
-                        help="most draft tokens verified per pass (default 5; schema 8; DFlash: block size - 1)")
+                        help="most draft tokens verified per pass (default 5; DFlash: block size - 1)")
     parser.add_argument("--drafter", type=Path, default=None, help="trained drafter folder (default: shipped one)")
     if vllm_spellings:
         parser.add_argument("--dtype", default="auto", type=parse_dtype,

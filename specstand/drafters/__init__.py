@@ -69,18 +69,12 @@ def trained_drafter_path(method: str, target_name: str, drafter_path: Path | Non
 
 
 def default_k(drafter: Drafter | None, k: int | None) -> int:
-    """K when the user gives none: a block drafter's drafts per block, else the method's own default."""
+    """K when the user gives none: a block drafter's drafts per block, else 5."""
     if k is not None:
         return k
-    return getattr(getattr(drafter, "model", None), "num_drafts", None) or getattr(drafter, "default_k", 5)
-
-
-def method_default_k(method: str) -> int:
-    """The default K of a training-free method (trained block drafters: see `default_k`)."""
-    factory = DRAFTERS.get(method) or TOKENIZER_DRAFTERS.get(method)
-    return getattr(factory, "default_k", 5) if factory is not None else 5
+    return getattr(getattr(drafter, "model", None), "num_drafts", 5)
 
 
 __all__ = ["DRAFTERS", "METHODS", "TOKENIZER_DRAFTERS", "Draft", "Drafter", "DrafterLoadError", "HFTextCodec",
            "HiddenRows", "NgramConfig", "SchemaConfig", "SequenceView", "SuffixConfig", "TextCodec", "default_k",
-           "make_drafter", "method_default_k", "trained_drafter_path"]
+           "make_drafter", "trained_drafter_path"]

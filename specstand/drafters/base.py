@@ -81,7 +81,6 @@ class Drafter(ABC):
     # verification then drafts no deeper than it expects to verify. A block drafter's pass, or a lookup,
     # costs the same at any depth, so cutting the draft before it is priced would only lose tokens.
     cost_grows_with_depth: bool = False
-    default_k: int = 5  # K when the user gives none (a trained block drafter's comes from its block instead)
 
     def begin(self, seq: SequenceView) -> None:  # noqa: B027 - optional hook
         """A request was admitted."""

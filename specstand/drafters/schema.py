@@ -102,10 +102,6 @@ class _Answer:
 
 class SchemaDrafter(Drafter):
     name = "schema"
-    # forced text runs long (a key, its quotes and colon, the next key): held-out Qwen tool calls, teacher-forced,
-    # tau 3.53 at K=8 against 3.11 at K=5 (x1.38 and x1.26 suffix decoding's at the same K); on the avx2
-    # stand 1 user x1.64 at K=8 against x1.45 at K=5, 4 users alike (benchmarks/results)
-    default_k = 8
 
     def __init__(self, codec: TextCodec, config: SchemaConfig | None = None) -> None:
         self.codec = codec

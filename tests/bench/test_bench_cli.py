@@ -7,7 +7,7 @@ import time
 
 import psutil
 
-from specstand.bench.run import _default_k, workload_context
+from specstand.bench.run import workload_context
 from specstand.cli import main
 from specstand.workloads import Call, Turn, save_workload
 
@@ -57,11 +57,6 @@ def test_bench_argument_errors(tmp_path, capsys):
         code = main(["bench", "--workload", str(workload), "--out", str(tmp_path / "o"), *argv])
         err = capsys.readouterr().err
         assert code != 0 and message in err and len(err.strip().splitlines()) == 1
-
-
-def test_a_bench_column_shows_the_k_its_server_takes_by_default():
-    assert _default_k("schema", "smollm2-135m", None) == 8
-    assert _default_k("suffix", "smollm2-135m", None) == 5
 
 
 def test_server_context_is_sized_from_the_workload(tiny_model_dir):

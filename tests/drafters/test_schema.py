@@ -335,12 +335,3 @@ def test_forced_drafts_are_accepted_where_the_target_writes_calls():
     assert [r.output_ids for r in runs["schema"]] == [r.output_ids for r in runs["none"]]
     passes = {method: sum(r.stats.target_passes for r in results) for method, results in runs.items()}
     assert passes["schema"] < 0.8 * passes["suffix"], passes
-
-
-def test_schema_drafts_up_to_eight_tokens_unless_told():
-    from specstand.drafters import SuffixDrafter, default_k, method_default_k
-
-    drafter = SchemaDrafter(CharCodec())
-    assert default_k(drafter, None) == 8 and default_k(drafter, 3) == 3
-    assert default_k(SuffixDrafter(), None) == 5 and default_k(None, None) == 5
-    assert method_default_k("schema") == 8 and method_default_k("ngram") == 5 and method_default_k("eagle3") == 5

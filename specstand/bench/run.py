@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -43,6 +44,15 @@ class Target:
     k: int | None = None
     process: subprocess.Popen | None = None
     log: Path | None = None
+
+
+def server_gone(target: Target) -> str | None:
+    """Why a server the bench started is no longer running (None: it runs, or the bench did not start it)."""
+    if target.process is None or target.process.poll() is None:
+        return None
+    code = target.process.returncode
+    killed = " (SIGKILL: on Linux most often the out-of-memory killer)" if code == -signal.SIGKILL else ""
+    return f"the {target.name} server exited with code {code}{killed}; its calls fail from here on; log: {target.log}"
 
 
 @dataclass
@@ -143,6 +153,7 @@ def stop_servers(targets: list[Target]) -> None:
 async def run_bench(targets: list[Target], turns: list[Turn], config: BenchConfig) -> str:
     endpoints = {t.name: OpenAIEndpoint(t.url, api_key=config.api_key) for t in targets}
     names = [t.name for t in targets]
+    by_name, told = {t.name: t for t in targets}, set()  # told: the targets whose server was found gone
     k_by_target = {t.name: t.k if t.k is not None else "–" for t in targets}
     runs: list[RunResult] = []
     # the machine beside the figures: read bandwidth drifts where neighbours share the host
@@ -169,6 +180,10 @@ async def run_bench(targets: list[Target], turns: list[Turn], config: BenchConfi
                 for users in config.users:
                     for name in names:  # interleaved, so drift hits every target alike
                         bar.set_postfix_str(f"{name} U={users} repeat {repeat + 1}")
+                        gone = server_gone(by_name[name])
+                        if gone is not None and name not in told:
+                            told.add(name)
+                            tqdm.write(f"bench: {gone}", file=sys.stderr)
                         endpoint = endpoints[name]
                         if resets[name]:
                             await endpoint.reset_prefix_cache()

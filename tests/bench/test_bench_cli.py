@@ -7,7 +7,7 @@ import time
 
 import psutil
 
-from specstand.bench.run import workload_context
+from specstand.bench.run import Target, server_gone, workload_context
 from specstand.cli import main
 from specstand.workloads import Call, Turn, save_workload
 
@@ -115,3 +115,17 @@ def test_a_killed_bench_stops_the_servers_it_started(tmp_path, tiny_model_dir):
         assert alive == []
     finally:
         bench.kill()
+
+
+def test_a_server_that_died_is_named_with_how(tmp_path):
+    killed = subprocess.Popen([sys.executable, "-c", "import os, signal; os.kill(os.getpid(), signal.SIGKILL)"])
+    killed.wait()
+    gone = server_gone(Target("schema", "http://127.0.0.1:1", 5, killed, tmp_path / "serve.log"))
+    assert gone is not None and "schema server exited with code -9" in gone and "out-of-memory" in gone
+    running = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        assert server_gone(Target("none", "http://127.0.0.1:2", None, running)) is None
+    finally:
+        running.kill()
+        running.wait()
+    assert server_gone(Target("remote", "http://127.0.0.1:3")) is None  # an --endpoint: not the bench's to watch

@@ -153,7 +153,7 @@ def stop_servers(targets: list[Target]) -> None:
 async def run_bench(targets: list[Target], turns: list[Turn], config: BenchConfig) -> str:
     endpoints = {t.name: OpenAIEndpoint(t.url, api_key=config.api_key) for t in targets}
     names = [t.name for t in targets]
-    by_name, told = {t.name: t for t in targets}, set()  # told: the targets whose server was found gone
+    told: set[str] = set()  # the targets whose server was found gone
     k_by_target = {t.name: t.k if t.k is not None else "–" for t in targets}
     runs: list[RunResult] = []
     # the machine beside the figures: read bandwidth drifts where neighbours share the host
@@ -178,9 +178,10 @@ async def run_bench(targets: list[Target], turns: list[Turn], config: BenchConfi
         with tqdm(total=total, unit="turn", desc="bench", file=sys.stderr) as bar:
             for repeat in range(config.repeats):
                 for users in config.users:
-                    for name in names:  # interleaved, so drift hits every target alike
+                    for target in targets:  # interleaved, so drift hits every target alike
+                        name = target.name
                         bar.set_postfix_str(f"{name} U={users} repeat {repeat + 1}")
-                        gone = server_gone(by_name[name])
+                        gone = server_gone(target)
                         if gone is not None and name not in told:
                             told.add(name)
                             tqdm.write(f"bench: {gone}", file=sys.stderr)

@@ -108,7 +108,6 @@ class SchemaDrafter(Drafter):
         self.config = config or SchemaConfig()
         self.suffix = SuffixDrafter(self.config.suffix)
         self._answers: dict[int, _Answer] = {}
-        self._forced_memo: dict[tuple[int, ...], list[int]] = {}  # one draft's forced tokens by prefix
 
     def forget(self) -> None:
         self.suffix.forget()
@@ -130,7 +129,6 @@ class SchemaDrafter(Drafter):
         tokens: list[int] = []
         confidence: list[float] = []
         survival = 1.0
-        self._forced_memo = {}
         forced = self._forced_tokens(seq, tokens)
         while len(tokens) < max_tokens:
             if forced:
@@ -242,13 +240,6 @@ class SchemaDrafter(Drafter):
         return len(guess)
 
     def _forced_tokens(self, seq: SequenceView, drafted: list[int] | None = None) -> list[int]:
-        """`_forced_after`, remembered for this draft (its checks ask about the same prefixes again)."""
-        key = (seq.request_id, len(seq.token_ids), *(drafted or ()))
-        if key not in self._forced_memo:
-            self._forced_memo[key] = self._forced_after(seq, drafted)
-        return self._forced_memo[key]
-
-    def _forced_after(self, seq: SequenceView, drafted: list[int] | None = None) -> list[int]:
         """The forced tokens after the answer so far and the tokens `drafted` after it in this draft."""
         _, reader = self._reader_after(seq, drafted or [])
         if reader is None:

@@ -81,8 +81,8 @@ class SuffixTree:
 
     def _new_node(self) -> int:
         if self._free:
-            node = self._free.pop()
-            self.counts[node], self.children[node] = 0, {}
+            node = self._free.pop()  # its children were dropped when it was freed
+            self.counts[node] = 0
             return node
         self.counts.append(0)
         self.children.append({})

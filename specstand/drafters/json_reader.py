@@ -13,6 +13,8 @@ closing braces, the wrapper's closing. Whitespace follows what the answer has wr
 from __future__ import annotations
 
 import json
+import re
+from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass, field, replace
 from typing import Self
@@ -173,6 +175,54 @@ def copied_value(source: str, kind: str, written: str, longest: int = 60) -> tup
     return (best, rests[best] / sum(rests.values())) if best not in ("", '"') else None
 
 
+_WORD = re.compile(r"[A-Z]+(?![a-z])|[A-Z]?[a-z]+|[0-9]+")
+
+
+def words(text: str) -> list[str]:
+    """A text's words as names are read: snake_case, kebab-case and camelCase split, lower case, a plural's s
+    dropped ("Vehicle_Supplier_Ratings": vehicle, supplier, rating)."""
+    found = (word.lower() for word in _WORD.findall(text))
+    return [word[:-1] if len(word) > 3 and word.endswith("s") else word for word in found if len(word) > 1]
+
+
+def mentions(prompt: str, tools: list | None, names: list[str]) -> tuple[Counter, Counter]:
+    """How often each word occurs in the prompt outside the tool definitions and outside the names of calls
+    written earlier in it (what the user and the tool results speak of), and how often each of `names` was
+    called earlier (written beyond its definition)."""
+    counts = Counter(words(prompt))
+    definitions = json.dumps(tools or [], ensure_ascii=False)
+    counts.subtract(words(definitions))
+    called = Counter({name: prompt.count(name) - definitions.count(name) for name in names})
+    for name, times in called.items():  # a call written earlier names its function: not the user's words
+        for _ in range(times):
+            counts.subtract(words(name))
+    return +counts, +called  # the positive counts only
+
+
+def ranked_choice(spoken: Counter, called: Counter, written: str, candidates: list[str]) -> tuple[str, float] | None:
+    """What to draft of a function name (or an enum value) that several candidates begin with `written`: those
+    whose own words the prompt speaks of most (`spoken`, see `mentions`), one fewer for one called earlier
+    (an agent's next call is mostly to another function), are kept; the rest of one kept, to its closing
+    quote, else the start they share. And its share of the kept candidates' words. None where that is no
+    longer than what every candidate writes next. Words every candidate has tell none apart."""
+    matching = [c for c in candidates if c.startswith(written)]
+    if len(matching) < 2:
+        return None
+    own = {c: set(words(c)) for c in matching}
+    shared = set.intersection(*own.values())
+    hits = {c: sum(1 for word in own[c] - shared if spoken[word] > 0) for c in matching}
+    score = {c: hits[c] - (1 if called[c] > 0 else 0) for c in matching}
+    best = max(score.values())
+    kept = [c for c in matching if score[c] == best]
+    if len(kept) == len(matching):
+        return None
+    share = sum(hits[c] for c in kept) / max(1, sum(hits.values()))
+    if len(kept) == 1:
+        return kept[0][len(written) :] + '"', share
+    start = _completion(written, kept)
+    return (start, share) if start != _completion(written, matching) else None
+
+
 def _opening_fit(schema: dict, char: str) -> int:
     """How a value of `schema` starting with `char` fits (any start fits where its type is not one of JSON's)."""
     kind = schema.get("type")
@@ -285,6 +335,13 @@ class _Object:
 
     def unwritten(self) -> list[str]:
         return [key for key in self.properties() if key not in self.keys]
+
+    def next_in_order(self, prefix: str) -> str | None:
+        """The first unwritten property after the last key written, in the schema's order, that begins with
+        `prefix`: models write a function's optional arguments in the order it lists them."""
+        order = list(self.properties())
+        last = max((order.index(key) for key in self.keys if key in order), default=-1)
+        return next((key for key in order[last + 1 :] if key not in self.keys and key.startswith(prefix)), None)
 
     def next_required(self) -> str | None:
         required = self.schema.get("required") or []
@@ -539,6 +596,28 @@ class AnswerReader:
         if isinstance(frame, _Scalar):
             return "scalar", frame.text
         return None
+
+    def open_choices(self) -> tuple[str, list[str]] | None:
+        """(its text so far, its enum values) where the answer writes a string value that has them (a function
+        name: the offered functions), else None."""
+        frame = self.stack[-1] if self.mode == "json" and self.stack else None
+        if not isinstance(frame, _String) or frame.is_key or frame.escaped:
+            return None
+        values = [v for v in _enum(frame.schema) or [] if isinstance(v, str)]
+        return (frame.text, values) if values else None
+
+    def key_in_order(self) -> tuple[str, str] | None:
+        """(its text so far, the key it likely is) where the answer writes a key no required property forces:
+        the next property in schema order (`_Object.next_in_order`) that begins with what is written."""
+        frame = self.stack[-1] if self.mode == "json" and self.stack else None
+        if not isinstance(frame, _String) or not frame.is_key or frame.escaped:
+            return None
+        parent = self.stack[-2]
+        assert isinstance(parent, _Object)
+        if parent.next_required() is not None:
+            return None
+        key = parent.next_in_order(frame.text)
+        return (frame.text, key) if key is not None else None
 
     def fit(self, text: str) -> int:
         """How well `text` keeps to the schema where the reader stands (the reader is not changed): FITS,

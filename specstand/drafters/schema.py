@@ -20,6 +20,7 @@ forced text's, and only those that stay the same whatever character follows the 
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass, field, replace
 from typing import Protocol
 
@@ -32,6 +33,8 @@ from specstand.drafters.json_reader import (
     answer_structure,
     copied_value,
     forced_text,
+    mentions,
+    ranked_choice,
 )
 from specstand.drafters.suffix import Keep, SuffixConfig, SuffixDrafter
 
@@ -74,6 +77,7 @@ class SchemaConfig:
     suffix: SuffixConfig = field(default_factory=SuffixConfig)
     tail_tokens: int = 8  # answer tokens encoded again with the forced text (BPE merges reach no further back)
     max_forced_chars: int = 160  # forced text looked at per draft (far more than K tokens of it)
+    key_order_confidence: float = 0.5  # an optional argument guessed as the next in schema order
 
 
 @dataclass
@@ -82,6 +86,8 @@ class _Answer:
 
     reader: AnswerReader
     prompt: str  # the prompt's text, where values are copied from
+    spoken: Counter  # the words the prompt speaks of outside the tool definitions (json_reader.mentions)
+    called: Counter  # the functions the prompt's earlier calls named
     text: str = ""
 
     def read(self, text: str) -> AnswerReader:
@@ -117,7 +123,8 @@ class SchemaDrafter(Drafter):
         prompt_text = self.codec.decode(seq.token_ids[: seq.prompt_len])
         structure = answer_structure(seq.tools, seq.response_format, "" if seq.tools else prompt_text)
         if structure is not None:
-            self._answers[seq.request_id] = _Answer(AnswerReader(structure), prompt_text)
+            spoken, called = mentions(prompt_text, seq.tools, list(structure.functions))
+            self._answers[seq.request_id] = _Answer(AnswerReader(structure), prompt_text, spoken, called)
 
     def propose(self, seq: SequenceView, max_tokens: int) -> Draft:
         """Forced tokens where the structure forces them, else the rest of a value the prompt's text holds,
@@ -137,7 +144,9 @@ class SchemaDrafter(Drafter):
                 confidence += [survival] * len(forced)
                 forced = self._forced_tokens(seq, tokens)
                 continue
-            copied, share = self._copied_tokens(seq, tokens)
+            copied, share = self._chosen_tokens(seq, tokens)
+            if not copied:
+                copied, share = self._copied_tokens(seq, tokens)
             if copied:
                 copied = copied[: max_tokens - len(tokens)]
                 tokens += copied
@@ -219,6 +228,27 @@ class SchemaDrafter(Drafter):
         answer_ids = seq.output_ids + drafted
         return continuation_tokens(self.codec, answer_ids, Forced(rest, None), self.config.tail_tokens), share
 
+    def _chosen_tokens(self, seq: SequenceView, drafted: list[int]) -> tuple[list[int], float]:
+        """Where the answer writes a function name (or an enum value) that several offered ones begin with: the
+        rest of the one whose words the prompt speaks of most outside the tool definitions (the user asked for
+        supplier ratings: `Vehicle_Supplier_Ratings`), and its share of such words."""
+        answer, reader = self._reader_after(seq, drafted)
+        chosen = self._chosen_text(answer, reader) if reader is not None else None
+        if chosen is None:
+            return [], 0.0
+        rest, share = chosen
+        answer_ids = seq.output_ids + drafted
+        return continuation_tokens(self.codec, answer_ids, Forced(rest, None), self.config.tail_tokens), share
+
+    def _chosen_text(self, answer: _Answer, reader: AnswerReader) -> tuple[str, float] | None:
+        """The rest of the function name (or enum value) the prompt speaks of, else of the optional argument
+        next in schema order, with its confidence; None where the reader stands at neither."""
+        choices = reader.open_choices()
+        if choices is not None:
+            return ranked_choice(answer.spoken, answer.called, *choices)
+        key = reader.key_in_order()
+        return (key[1][len(key[0]) :] + '"', self.config.key_order_confidence) if key is not None else None
+
     def _until_structure(self, seq: SequenceView, drafted: list[int], guess: list[int]) -> int:
         """How many tokens of suffix decoding's `guess` (after `drafted`) to keep: all, or those before the
         first point where the structure forces text other than the guess's next token's (e.g. past a value the
@@ -233,6 +263,8 @@ class SchemaDrafter(Drafter):
             after = self.codec.decode(base + guess[: kept + 1])
             reader = answer.guess(before)
             forced = forced_text(reader, self.config.max_forced_chars).text if reader is not None else ""
+            if not forced and reader is not None:  # a chosen name or key gives way to no guess either
+                forced = (self._chosen_text(answer, reader) or ("", 0.0))[0]
             step = after[len(before) :] if after.startswith(before) else ""
             if forced and step and not (forced.startswith(step) or step.startswith(forced)):
                 return kept

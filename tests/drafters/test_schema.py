@@ -16,7 +16,10 @@ from specstand.drafters.json_reader import (
     answer_structure,
     copied_value,
     forced_text,
+    mentions,
+    ranked_choice,
     tools_in_text,
+    words,
 )
 from specstand.drafters.schema import HFTextCodec, SchemaDrafter, continuation_tokens
 from specstand.engine import Engine, EngineConfig, Request
@@ -298,6 +301,75 @@ def test_a_value_the_prompt_splits_into_other_tokens_is_copied_by_its_text():
     draft = schema_draft(codec, "Find news about politics in India.\n",
                          '{"name": "Search_Car_Location", "arguments": {"query": "pol', 8)
     assert codec.decode(draft.tokens).startswith("itics")
+
+
+def test_names_are_read_as_words():
+    assert words("Vehicle_Supplier_Ratings") == ["vehicle", "supplier", "rating"]
+    assert words("RedditTopPostsBySubreddit") == ["reddit", "top", "post", "by", "subreddit"]
+    assert words("Alpha_Vantage_CURRENCY_EXCHANGE_RATE") == ["alpha", "vantage", "currency", "exchange", "rate"]
+    assert words("Real-Time product offers, 2 of them") == ["real", "time", "product", "offer", "of", "them"]
+
+
+def test_the_prompts_words_outside_the_definitions_rank_the_function_names():
+    names = [tool["function"]["name"] for tool in CFB_TOOLS]
+    prompt = json.dumps(CFB_TOOLS) + "\nI want to rent a car at the airport: find its location."
+    spoken, called = mentions(prompt, CFB_TOOLS, names)
+    assert spoken["location"] == 1 and spoken["hotel"] == 0  # the definitions' own words are not counted
+    assert ranked_choice(spoken, called, "", names) == ('Search_Car_Location"', 1.0)
+    assert ranked_choice(spoken, called, "Search_", names) == ('Car_Location"', 1.0)
+    assert ranked_choice(spoken, called, "Search_C", names) is None  # one name left: forced, not chosen
+    # nothing said of any of them: no choice
+    silent, none_called = mentions(json.dumps(CFB_TOOLS) + "\nHello.", CFB_TOOLS, names)
+    assert ranked_choice(silent, none_called, "", names) is None
+    # the name of a call written earlier is not the user's words, and a function called is likelier done with
+    later = (json.dumps(CFB_TOOLS) + '\nI want to rent a car.\n{"name": "Search_Car_Location", "arguments": '
+             '{"query": "JFK"}}\nNow the rooms of a hotel.')
+    spoken, called = mentions(later, CFB_TOOLS, names)
+    assert called["Search_Car_Location"] == 1 and spoken["search"] == 0 and spoken["car"] == 1
+    assert ranked_choice(spoken, called, "", names) is None  # rooms and hotel: two names alike, no start shared
+    assert ranked_choice(spoken, called, "Search_", names) == ('Hotels"', 0.5)  # car: but called already
+
+
+def test_candidates_spoken_of_alike_draft_the_start_they_share():
+    offered = ["Shop_Search", "Shop_Product_Offers", "Shop_Product_Reviews"]
+    spoken, called = mentions("Find the best offers and reviews for these headphones.", None, offered)
+    assert ranked_choice(spoken, called, "Shop_", offered) == ("Product_", 1.0)
+    assert ranked_choice(spoken, called, "Shop_Product_", offered) is None
+
+
+def test_optional_arguments_are_guessed_in_schema_order():
+    reader = AnswerReader(answer_structure(CFB_TOOLS, None))
+    reader.feed('{"name": "Search_Hotels", "arguments": {"sort_by": "price", "search_type": "CITY", "')
+    assert reader.key_in_order() is None  # a required key is next: forced
+    reader.feed('arrival_date": "a", "dest_id": 1, "departure_date": "b", "')
+    assert reader.key_in_order() is None  # nothing after the last key written in the schema's order
+    reader = AnswerReader(answer_structure(CFB_TOOLS, None))
+    reader.feed('{"name": "Search_Hotels", "arguments": {"search_type": "CITY", "arrival_date": "a", '
+                '"dest_id": 1, "departure_date": "b", "sort_by": "price", "')
+    assert reader.key_in_order() is None  # departure_date is last in the schema
+    reader = AnswerReader(answer_structure(NESTFUL_TOOLS, None))
+    reader.feed('{"name": "SkyScrapperFlightSearch", "arguments": {"originSkyId": "a", "destinationSkyId": "b", '
+                '"originEntityId": "c", "destinationEntityId": "d", "date": "e", "')
+    assert reader.key_in_order() == ("", "returnDate")
+    reader.feed("cab")
+    assert reader.key_in_order() == ("cab", "cabinClass")
+
+
+def test_the_name_and_arguments_the_request_implies_are_drafted():
+    codec = CharCodec()
+    prompt = json.dumps(CFB_TOOLS) + "\nWhich rooms are free next week?\n"
+    draft = schema_draft(codec, prompt, '{"name": "', 60)
+    assert codec.decode(draft.tokens).startswith('Get_Room_Availability", "arguments": {"min_date": "')
+    assert draft.confidence[0] == 1.0  # the only name the prompt speaks of
+    prompt_ids = codec.encode("Fly from A to B on e.\n")
+    answer = ('{"name": "SkyScrapperFlightSearch", "arguments": {"originSkyId": "a", "destinationSkyId": "b", '
+              '"originEntityId": "c", "destinationEntityId": "d", "date": "e", "')
+    seq = SequenceView(0, prompt_ids + codec.encode(answer), len(prompt_ids), tools=NESTFUL_TOOLS)
+    drafter = SchemaDrafter(codec)
+    drafter.begin(seq)
+    optional = drafter.propose(seq, 12)
+    assert codec.decode(optional.tokens).startswith('returnDate"')  # the next optional argument in schema order
+    assert optional.confidence[0] == drafter.config.key_order_confidence
 
 
 def test_schema_is_a_method_and_needs_the_tokenizer():

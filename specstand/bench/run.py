@@ -10,7 +10,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import httpx
@@ -64,6 +64,13 @@ class BenchConfig:
     baseline: str
     extra: dict = field(default_factory=dict)
     api_key: str | None = None  # sent to every target (never written to the report)
+
+
+def first_call(turn: Turn) -> Turn:
+    """A turn's first call alone: the warm-up. It meets every first-call cost (the server's first prompt and
+    decode passes, the drafter's first request); the rest of the turn would only add minutes to a slow CPU's
+    bench (on the avx2 demo a whole turn took about 8 s a target)."""
+    return Turn(turn.turn_id, [replace(turn.calls[0], depends_on=[], delay_ms=0.0)], turn.source)
 
 
 def _free_port() -> int:
@@ -169,7 +176,7 @@ async def run_bench(targets: list[Target], turns: list[Turn], config: BenchConfi
     total = config.repeats * len(targets) * sum(per_run.values())
     try:
         for endpoint in endpoints.values():  # warm-up, not recorded: first-call costs stay out of the figures
-            await replay(turns[:1], endpoint, 1)
+            await replay([first_call(turns[0])], endpoint, 1)
         # each run starts from the same state: no prompt cached and no answer remembered from an earlier run
         # (replayed turns repeat, so they would be found whole: x4 on a cold AVX2 demo turn, and suffix
         # decoding drafting the answers of the previous repeat)

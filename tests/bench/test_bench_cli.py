@@ -7,7 +7,7 @@ import time
 
 import psutil
 
-from specstand.bench.run import Target, server_gone, workload_context
+from specstand.bench.run import Target, first_call, server_gone, workload_context
 from specstand.cli import main
 from specstand.workloads import Call, Turn, save_workload
 
@@ -129,3 +129,10 @@ def test_a_server_that_died_is_named_with_how(tmp_path):
         running.kill()
         running.wait()
     assert server_gone(Target("remote", "http://127.0.0.1:3")) is None  # an --endpoint: not the bench's to watch
+
+
+def test_the_warm_up_is_a_turns_first_call_alone():
+    calls = [Call("a", prompt="one", delay_ms=50.0), Call("b", prompt="two", depends_on=["a"])]
+    warm_up = first_call(Turn("t", calls, "src"))
+    assert [c.id for c in warm_up.calls] == ["a"] and warm_up.calls[0].delay_ms == 0.0
+    assert (warm_up.turn_id, warm_up.source) == ("t", "src") and len(calls) == 2  # the workload is unchanged

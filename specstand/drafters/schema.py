@@ -3,8 +3,10 @@
 Per request, the tools and response format (or a tools list found in the prompt) give an `AnswerReader`
 (json_reader.py) that follows the answer's text. Where the next text is forced (`{"name": "`, the rest of a
 unique function name, `", "arguments": {"`, required keys, enum values, closing braces and tags), the
-drafter drafts its tokens with confidence 1.0; inside free values (strings, numbers) and wherever the text
-has a choice it drafts by suffix decoding over the prompt, the conversation and earlier answers (a composed
+drafter drafts its tokens with confidence 1.0. Where several function names (or enum values) remain, it drafts
+the one whose words the prompt speaks of outside the tool definitions; where an optional argument may follow,
+the next in schema order. Inside free values (strings, numbers) and wherever the text has another choice it
+drafts by suffix decoding over the prompt, the conversation and earlier answers (a composed
 `SuffixDrafter`, whose path probabilities are the confidence), its guesses held to what fits the schema. A
 value whose first characters begin a word of the prompt's text is copied by that text (the prompt may split
 the word into other tokens than the answer does, where suffix decoding finds no match). They take turns
@@ -127,10 +129,11 @@ class SchemaDrafter(Drafter):
             self._answers[seq.request_id] = _Answer(AnswerReader(structure), prompt_text, spoken, called)
 
     def propose(self, seq: SequenceView, max_tokens: int) -> Draft:
-        """Forced tokens where the structure forces them, else the rest of a value the prompt's text holds,
-        else suffix decoding's guess up to where the structure forces something else, in turns. A token's
-        confidence is the chance that the draft survives to it as suffix statistics (or the share of the
-        prompt's occurrences of a copied value that agree) tell; forced text does not lower it."""
+        """Forced tokens where the structure forces them, else likely text (a function name or key chosen, the
+        rest of a value the prompt's text holds), else suffix decoding's guess up to where the structure forces
+        something else, in turns. A token's confidence is the chance that the draft survives to it as suffix
+        statistics (or a choice's share, or the share of the prompt's occurrences of a copied value that agree)
+        tell; forced text does not lower it."""
         if max_tokens <= 0:
             return Draft([])
         tokens: list[int] = []
@@ -144,14 +147,12 @@ class SchemaDrafter(Drafter):
                 confidence += [survival] * len(forced)
                 forced = self._forced_tokens(seq, tokens)
                 continue
-            copied, share = self._chosen_tokens(seq, tokens)
-            if not copied:
-                copied, share = self._copied_tokens(seq, tokens)
-            if copied:
-                copied = copied[: max_tokens - len(tokens)]
-                tokens += copied
+            likely, share = self._likely_tokens(seq, tokens)
+            if likely:
+                likely = likely[: max_tokens - len(tokens)]
+                tokens += likely
                 survival *= share
-                confidence += [survival] * len(copied)
+                confidence += [survival] * len(likely)
                 forced = self._forced_tokens(seq, tokens)
                 continue
             view = replace(seq, token_ids=seq.token_ids + tokens)
@@ -212,42 +213,37 @@ class SchemaDrafter(Drafter):
 
         return keep
 
-    def _copied_tokens(self, seq: SequenceView, drafted: list[int]) -> tuple[list[int], float]:
-        """Where the answer writes a value whose start the prompt holds (a word of the user's, a tool result's
-        field) but no token sequence matches (the prompt splits it into other tokens): the rest of it, as
-        `copied_value` reads the prompt's text, in the answer's tokens; and the share of the prompt's
-        occurrences that agree."""
+    def _likely_tokens(self, seq: SequenceView, drafted: list[int]) -> tuple[list[int], float]:
+        """Text the structure leaves open but the request makes likely, in the answer's tokens, and its
+        confidence: a choice (`_chosen_text`), else the rest of a value the prompt's text holds (`_copied_text`)."""
         answer, reader = self._reader_after(seq, drafted)
-        value = reader.open_value() if reader is not None else None
-        if answer is None or value is None or not value[1]:
+        if reader is None:
             return [], 0.0
-        copied = copied_value(answer.prompt, *value)
-        if copied is None:
+        likely = self._chosen_text(answer, reader) or self._copied_text(answer, reader)
+        if likely is None:
             return [], 0.0
-        rest, share = copied
+        rest, confidence = likely
         answer_ids = seq.output_ids + drafted
-        return continuation_tokens(self.codec, answer_ids, Forced(rest, None), self.config.tail_tokens), share
-
-    def _chosen_tokens(self, seq: SequenceView, drafted: list[int]) -> tuple[list[int], float]:
-        """Where the answer writes a function name (or an enum value) that several offered ones begin with: the
-        rest of the one whose words the prompt speaks of most outside the tool definitions (the user asked for
-        supplier ratings: `Vehicle_Supplier_Ratings`), and its share of such words."""
-        answer, reader = self._reader_after(seq, drafted)
-        chosen = self._chosen_text(answer, reader) if reader is not None else None
-        if chosen is None:
-            return [], 0.0
-        rest, share = chosen
-        answer_ids = seq.output_ids + drafted
-        return continuation_tokens(self.codec, answer_ids, Forced(rest, None), self.config.tail_tokens), share
+        return continuation_tokens(self.codec, answer_ids, Forced(rest, None), self.config.tail_tokens), confidence
 
     def _chosen_text(self, answer: _Answer, reader: AnswerReader) -> tuple[str, float] | None:
-        """The rest of the function name (or enum value) the prompt speaks of, else of the optional argument
-        next in schema order, with its confidence; None where the reader stands at neither."""
+        """Where the answer writes a function name (or an enum value) that several offered ones begin with: the
+        rest of the one whose words the prompt speaks of most outside the tool definitions (the user asked for
+        supplier ratings: `Vehicle_Supplier_Ratings`), with its share of such words. Where it writes a key no
+        required property forces: the next property in schema order. None elsewhere."""
         choices = reader.open_choices()
         if choices is not None:
             return ranked_choice(answer.spoken, answer.called, *choices)
         key = reader.key_in_order()
         return (key[1][len(key[0]) :] + '"', self.config.key_order_confidence) if key is not None else None
+
+    @staticmethod
+    def _copied_text(answer: _Answer, reader: AnswerReader) -> tuple[str, float] | None:
+        """Where the answer writes a value whose start the prompt holds (a word of the user's, a tool result's
+        field) but no token sequence matches (the prompt splits it into other tokens): the rest of it, as
+        `copied_value` reads the prompt's text, and the share of the prompt's occurrences that agree."""
+        value = reader.open_value()
+        return copied_value(answer.prompt, *value) if value is not None and value[1] else None
 
     def _until_structure(self, seq: SequenceView, drafted: list[int], guess: list[int]) -> int:
         """How many tokens of suffix decoding's `guess` (after `drafted`) to keep: all, or those before the
@@ -263,7 +259,7 @@ class SchemaDrafter(Drafter):
             after = self.codec.decode(base + guess[: kept + 1])
             reader = answer.guess(before)
             forced = forced_text(reader, self.config.max_forced_chars).text if reader is not None else ""
-            if not forced and reader is not None:  # a chosen name or key gives way to no guess either
+            if not forced and reader is not None:  # a name or key chosen there cuts a guess that writes another
                 forced = (self._chosen_text(answer, reader) or ("", 0.0))[0]
             step = after[len(before) :] if after.startswith(before) else ""
             if forced and step and not (forced.startswith(step) or step.startswith(forced)):

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import asyncio
+import time
+
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -12,6 +15,8 @@ from specstand.workloads import Call
 # specstand too) closes it, so a call never goes out on a connection the server is closing at that moment
 # (seen on the stand: one call in 518 turns failed with an empty ReadError).
 KEEPALIVE_EXPIRY_S = 2.0
+# the gauges of requests a server has in flight (queued or running)
+IN_FLIGHT_GAUGES = frozenset(("specstand:requests_waiting", "vllm:num_requests_running", "vllm:num_requests_waiting"))
 
 
 class OpenAIEndpoint:
@@ -79,6 +84,31 @@ class OpenAIEndpoint:
                     key += f"[rows={sample.labels['rows']}]"
                 totals[key] = totals.get(key, 0.0) + sample.value
         return totals
+
+    async def wait_idle(self, timeout_s: float = 10.0, poll_s: float = 0.05) -> bool:
+        """Wait until the server runs and queues no request, as its gauges tell (specstand's, vLLM's): the calls
+        a replay cancelled at its end are aborted only once the server notices the client gone, and the next
+        run should not share the server with them. True once idle; False past the timeout, or at once where the
+        server shows no such gauge."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            in_flight = await self._requests_in_flight()
+            if in_flight is None or in_flight == 0:
+                return in_flight == 0
+            if time.monotonic() > deadline:
+                return False
+            await asyncio.sleep(poll_s)
+
+    async def _requests_in_flight(self) -> float | None:
+        try:
+            reply = await self.client.get(f"{self.base_url}/metrics")
+        except httpx.HTTPError:
+            return None
+        if reply.status_code != 200:
+            return None
+        counts = [sample.value for family in text_string_to_metric_families(reply.text) for sample in family.samples
+                  if sample.name in IN_FLIGHT_GAUGES]
+        return sum(counts) if counts else None
 
     async def close(self) -> None:
         await self.client.aclose()

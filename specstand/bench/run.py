@@ -197,6 +197,7 @@ async def run_bench(targets: list[Target], turns: list[Turn], config: BenchConfi
                             await endpoint.reset_prefix_cache()
                         before = await endpoint.scrape_metrics()
                         records, wall = await replay(turns, endpoint, users, on_turn=lambda _: bar.update())
+                        await endpoint.wait_idle()  # the fillers' cancelled calls
                         after = await endpoint.scrape_metrics()
                         # counters as the run's increase; profiled figures (gauges) as they stand
                         delta = {key: after[key] if "_profiled" in key else after[key] - before.get(key, 0.0)

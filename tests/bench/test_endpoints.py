@@ -43,3 +43,25 @@ def test_the_api_key_is_sent_and_tool_calls_are_read():
     assert (reply.text, reply.finish_reason, reply.completion_tokens) == ("", "tool_calls", 9)
     assert reply.tool_calls == [{"name": "find", "arguments": '{"a": 1}'}]
     assert json.loads(reply.tool_calls[0]["arguments"]) == {"a": 1}
+
+
+def _metrics_endpoint(pages: list[str]) -> OpenAIEndpoint:
+    """An endpoint whose /metrics answers `pages` in turn (the last one from then on)."""
+
+    def answer(request: httpx.Request) -> httpx.Response:
+        return httpx.Response(200, text=pages.pop(0) if len(pages) > 1 else pages[0])
+
+    endpoint = OpenAIEndpoint("http://stand.test")
+    endpoint.client = httpx.AsyncClient(transport=httpx.MockTransport(answer))
+    return endpoint
+
+
+def test_a_run_waits_for_the_server_to_drop_the_calls_it_cancelled():
+    busy = '# TYPE specstand:requests_waiting gauge\nspecstand:requests_waiting{model_name="m"} 2.0\n'
+    idle = busy.replace("2.0", "0.0")
+    endpoint = _metrics_endpoint([busy, busy, idle])
+    assert asyncio.run(endpoint.wait_idle(timeout_s=5, poll_s=0)) is True
+    vllm = '# TYPE vllm:num_requests_running gauge\nvllm:num_requests_running{model_name="m"} 1.0\n'
+    assert asyncio.run(_metrics_endpoint([vllm]).wait_idle(timeout_s=0.05, poll_s=0.01)) is False  # never idle
+    # a server without such gauges is not waited for
+    assert asyncio.run(_metrics_endpoint(["# TYPE other gauge\nother 3.0\n"]).wait_idle(timeout_s=5)) is False

@@ -18,6 +18,7 @@ class FakeEndpoint:
         self.active = 0
         self.max_active = 0
         self.starts: list[float] = []
+        self.cancelled: list[str] = []
 
     async def complete(self, call):
         self.starts.append(time.perf_counter())
@@ -28,6 +29,9 @@ class FakeEndpoint:
             if call.id in self.fail:
                 raise RuntimeError("boom")
             return Answer(f"answer {call.id}", 3)
+        except asyncio.CancelledError:
+            self.cancelled.append(call.id)
+            raise
         finally:
             self.active -= 1
 
@@ -85,7 +89,8 @@ def test_load_stays_at_u_until_the_last_counted_turn_ends():
     # (due at 0.45 s) never starts: the last counted turn ended at 0.4 s
     assert len(starts) == 5 + 3
     assert all(t < wall for t in starts)
-    assert endpoint.active == 0  # every call in flight finished before replay returned
+    # the filler's b (due to end at 0.45 s) was cancelled when the last counted turn ended; c had finished
+    assert endpoint.cancelled == ["b"] and endpoint.active == 0
 
 
 def test_a_failed_call_is_recorded_and_the_turn_finishes():

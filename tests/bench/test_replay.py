@@ -8,7 +8,7 @@ import pytest
 from specstand.bench.replay import Answer, assign_turns, replay
 from specstand.workloads import Call, Turn
 
-LATENCY_S = {"a": 0.10, "b": 0.20, "c": 0.10, "d": 0.10, "s": 0.15}
+LATENCY_S = {"a": 0.10, "b": 0.20, "c": 0.10, "d": 0.10, "s": 0.15, "quick": 0.5, "slow": 1.0}
 TOLERANCE_S = 0.03
 
 
@@ -89,8 +89,22 @@ def test_load_stays_at_u_until_the_last_counted_turn_ends():
     # (due at 0.45 s) never starts: the last counted turn ended at 0.4 s
     assert len(starts) == 5 + 3
     assert all(t < wall for t in starts)
-    # the filler's b (due to end at 0.45 s) was cancelled when the last counted turn ended; c had finished
-    assert endpoint.cancelled == ["b"] and endpoint.active == 0
+    # the filler's b (due to end at 0.45 s) was cancelled when the last counted turn ended at 0.4 s; its c ends
+    # then too, on either side of the cancel
+    assert "b" in endpoint.cancelled and set(endpoint.cancelled) <= {"b", "c"} and endpoint.active == 0
+
+
+def test_a_fillers_call_in_flight_is_cancelled_when_the_last_counted_turn_ends():
+    # user 0: its counted quick turn (0-0.5 s), then the slow one as a filler (0.5-1.5 s); user 1: its counted
+    # slow turn (0-1 s). At 1 s the filler's call has half a second to go: it is cancelled, not waited for.
+    turns = [Turn("quick", [Call(id="quick", prompt="p")]), Turn("slow", [Call(id="slow", prompt="p")])]
+    endpoint = FakeEndpoint()
+    began = time.perf_counter()
+    records, wall = asyncio.run(replay(turns, endpoint, users=2))
+    returned = time.perf_counter() - began
+    assert sorted(r.turn_id for r in records) == ["quick", "slow"]
+    assert endpoint.cancelled == ["slow"] and endpoint.active == 0
+    assert returned < 1.4  # the filler would have run to 1.5 s
 
 
 def test_a_failed_call_is_recorded_and_the_turn_finishes():

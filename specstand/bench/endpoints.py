@@ -7,6 +7,7 @@ import time
 
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
+from prometheus_client.samples import Sample
 
 from specstand.bench.replay import Answer
 from specstand.workloads import Call
@@ -66,24 +67,27 @@ class OpenAIEndpoint:
 
     async def scrape_metrics(self) -> dict[str, float]:
         """Counter totals by sample name (labels folded: per-position counters keep their position)."""
+        totals: dict[str, float] = {}
+        for sample in await self._metric_samples() or []:
+            if not (sample.name.startswith("vllm:spec_decode") or sample.name.startswith("specstand:")):
+                continue
+            key = sample.name
+            if "position" in sample.labels:
+                key += f"[{sample.labels['position']}]"
+            if "rows" in sample.labels:
+                key += f"[rows={sample.labels['rows']}]"
+            totals[key] = totals.get(key, 0.0) + sample.value
+        return totals
+
+    async def _metric_samples(self) -> list[Sample] | None:
+        """Every sample of the server's /metrics (None where it has none to give)."""
         try:
             reply = await self.client.get(f"{self.base_url}/metrics")
         except httpx.HTTPError:
-            return {}
+            return None
         if reply.status_code != 200:
-            return {}
-        totals: dict[str, float] = {}
-        for family in text_string_to_metric_families(reply.text):
-            for sample in family.samples:
-                if not (sample.name.startswith("vllm:spec_decode") or sample.name.startswith("specstand:")):
-                    continue
-                key = sample.name
-                if "position" in sample.labels:
-                    key += f"[{sample.labels['position']}]"
-                if "rows" in sample.labels:
-                    key += f"[rows={sample.labels['rows']}]"
-                totals[key] = totals.get(key, 0.0) + sample.value
-        return totals
+            return None
+        return [sample for family in text_string_to_metric_families(reply.text) for sample in family.samples]
 
     async def wait_idle(self, timeout_s: float = 10.0, poll_s: float = 0.05) -> bool:
         """Wait until the server runs and queues no request, as its gauges tell (specstand's, vLLM's): the calls
@@ -100,14 +104,7 @@ class OpenAIEndpoint:
             await asyncio.sleep(poll_s)
 
     async def _requests_in_flight(self) -> float | None:
-        try:
-            reply = await self.client.get(f"{self.base_url}/metrics")
-        except httpx.HTTPError:
-            return None
-        if reply.status_code != 200:
-            return None
-        counts = [sample.value for family in text_string_to_metric_families(reply.text) for sample in family.samples
-                  if sample.name in IN_FLIGHT_GAUGES]
+        counts = [sample.value for sample in await self._metric_samples() or [] if sample.name in IN_FLIGHT_GAUGES]
         return sum(counts) if counts else None
 
     async def close(self) -> None:

@@ -128,6 +128,11 @@ def _enum(schema: dict) -> list | None:
     return values if isinstance(values, list) and values else None
 
 
+def _string_values(schema: dict) -> list[str]:
+    """The schema's enum (or const) values that are strings."""
+    return [v for v in _enum(schema) or [] if isinstance(v, str)]
+
+
 def _opener(schema: dict) -> str:
     """The text a value of `schema` must start with ("" where its type leaves a choice)."""
     values = _enum(schema)
@@ -194,8 +199,7 @@ def mentions(prompt: str, tools: list | None, names: list[str]) -> tuple[Counter
     counts.subtract(words(definitions))
     called = Counter({name: prompt.count(name) - definitions.count(name) for name in names})
     for name, times in called.items():  # a call written earlier names its function: not the user's words
-        for _ in range(times):
-            counts.subtract(words(name))
+        counts.subtract(words(name) * max(times, 0))
     return +counts, +called  # the positive counts only
 
 
@@ -241,7 +245,7 @@ def _string_fit(frame: _String, parent: _Frame, char: str) -> int:
         assert isinstance(parent, _Object)
         candidates = parent.unwritten()
     else:
-        candidates = [v for v in _enum(frame.schema) or [] if isinstance(v, str)]
+        candidates = _string_values(frame.schema)
         if not candidates and char == '"' and frame.text in _TYPE_NAMES:
             return BREAKS
     if not candidates:
@@ -587,10 +591,14 @@ class AnswerReader:
         if isinstance(parent, _Array):
             parent.count += 1
 
+    def _open_frame(self) -> _Frame | None:
+        """The innermost container, string or scalar the answer's JSON is in (None outside JSON)."""
+        return self.stack[-1] if self.mode == "json" and self.stack else None
+
     def open_value(self) -> tuple[str, str] | None:
         """("string", its text so far) or ("scalar", its text so far) where the answer is writing a value (not a
         key), else None."""
-        frame = self.stack[-1] if self.mode == "json" and self.stack else None
+        frame = self._open_frame()
         if isinstance(frame, _String) and not frame.is_key and not frame.escaped:
             return "string", frame.text
         if isinstance(frame, _Scalar):
@@ -600,16 +608,16 @@ class AnswerReader:
     def open_choices(self) -> tuple[str, list[str]] | None:
         """(its text so far, its enum values) where the answer writes a string value that has them (a function
         name: the offered functions), else None."""
-        frame = self.stack[-1] if self.mode == "json" and self.stack else None
+        frame = self._open_frame()
         if not isinstance(frame, _String) or frame.is_key or frame.escaped:
             return None
-        values = [v for v in _enum(frame.schema) or [] if isinstance(v, str)]
+        values = _string_values(frame.schema)
         return (frame.text, values) if values else None
 
     def key_in_order(self) -> tuple[str, str] | None:
         """(its text so far, the key it likely is) where the answer writes a key no required property forces:
         the next property in schema order (`_Object.next_in_order`) that begins with what is written."""
-        frame = self.stack[-1] if self.mode == "json" and self.stack else None
+        frame = self._open_frame()
         if not isinstance(frame, _String) or not frame.is_key or frame.escaped:
             return None
         parent = self.stack[-2]
@@ -678,8 +686,7 @@ class AnswerReader:
                 assert isinstance(parent, _Object)
                 guess = parent.next_required() if not frame.text else None
                 return guess + '"' if guess is not None else _completion(frame.text, parent.unwritten())
-            values = _enum(frame.schema)
-            return _completion(frame.text, [v for v in values if isinstance(v, str)]) if values else ""
+            return _completion(frame.text, _string_values(frame.schema))
         if isinstance(frame, _Scalar):
             return next((k[len(frame.text) :] for k in KEYWORDS if k.startswith(frame.text)), "")
         if isinstance(frame, _Object):
@@ -717,7 +724,7 @@ class AnswerReader:
         the answer (or a newline before another call) after a call closed. None where anything may follow."""
         if self.ended:
             return ("", "\n")
-        frame = self.stack[-1] if self.mode == "json" and self.stack else None
+        frame = self._open_frame()
         if not isinstance(frame, _String):
             return None
         if frame.is_key:
@@ -725,7 +732,7 @@ class AnswerReader:
             assert isinstance(parent, _Object)
             candidates = parent.unwritten()
         else:
-            candidates = [v for v in _enum(frame.schema) or [] if isinstance(v, str)]
+            candidates = _string_values(frame.schema)
         matching = [c[len(frame.text) :] + '"' for c in candidates if c.startswith(frame.text)]
         return tuple(matching) or None
 

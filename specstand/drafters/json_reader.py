@@ -152,7 +152,8 @@ _WORD_CHARS = frozenset("-_.:/$@+#%&=")  # what a copied word-like value (a date
 _NUMBER_CHARS = frozenset("0123456789.eE+-")
 
 
-def copied_value(source: str, kind: str, written: str, longest: int = 60) -> tuple[str, float] | None:
+def copied_value(source: str, kind: str, written: str, longest: int = 60,
+                 layout: str | None = None) -> tuple[str, float] | None:
     """The rest of a value whose first characters `written` were copied from `source` (the prompt: the user's
     words, earlier tool results), where `source` holds them at the start of a word: the continuation most
     occurrences share, and the share of occurrences that agree. A string copied from inside quotes runs to its
@@ -172,6 +173,8 @@ def copied_value(source: str, kind: str, written: str, longest: int = 60) -> tup
         else:
             end = next((i for i, c in enumerate(after) if not (c.isalnum() or c in _WORD_CHARS)), None)
             rest = after[:end].rstrip(".:") + '"' if end is not None else None
+        if rest is not None and layout is not None:  # as far as it keeps to the value's layout
+            rest = _laid_out_start(layout, written, rest)
         if rest is not None:
             rests[rest] = rests.get(rest, 0) + 1
     if not rests:
@@ -227,6 +230,57 @@ def ranked_choice(spoken: Counter, called: Counter, written: str, candidates: li
     return (start, share) if start != _completion(written, matching) else None
 
 
+# a date or time layout a string value's description spells ("Format: YYYY-MM-DD", "HH:MM"): its letters are
+# digits, the rest separators the answer writes as they are
+_LAYOUT_FIELD = r"(?:YYYY|yyyy|MM|DD|dd|HH|hh|mm|SS|ss)"
+_LAYOUT = re.compile(rf"(?<![A-Za-z]){_LAYOUT_FIELD}(?:[-/:.T]{_LAYOUT_FIELD})+(?![A-Za-z])")
+_LAYOUT_DIGITS = frozenset("YyMDdHhmSs")
+_FORMAT_LAYOUTS = {"date": "YYYY-MM-DD"}  # JSON Schema's `format` values that fix one layout
+DIGITS = tuple("0123456789")
+
+
+def value_layout(schema: dict) -> str | None:
+    """The layout of a string value's digits and separators where its schema gives exactly one: JSON Schema's
+    `format: date`, or the one layout its description spells."""
+    named = _FORMAT_LAYOUTS.get(schema.get("format"))  # type: ignore[arg-type]
+    if named is not None:
+        return named
+    description = schema.get("description")
+    found = set(_LAYOUT.findall(description)) if isinstance(description, str) else set()
+    return found.pop() if len(found) == 1 else None
+
+
+def follows_layout(layout: str, text: str) -> bool:
+    """Whether `text` is the start of a value laid out as `layout` (a digit where it has a letter)."""
+    return len(text) <= len(layout) and all(
+        char.isdigit() if slot in _LAYOUT_DIGITS else char == slot for char, slot in zip(text, layout, strict=False))
+
+
+def _laid_out_start(layout: str, written: str, rest: str) -> str:
+    """The longest start of `rest` after `written` that keeps to `layout` (with the closing quote where the
+    value is complete there)."""
+    kept = ""
+    for char in rest:
+        if char == '"' and len(written) + len(kept) == len(layout):
+            return kept + char
+        if not follows_layout(layout, written + kept + char):
+            break
+        kept += char
+    return kept
+
+
+def layout_rest(layout: str, written: str) -> str | None:
+    """What `layout` puts next after the value's `written` start: its separators up to the next digit, or the
+    closing quote once every digit is written. None where a digit comes next or `written` does not follow it."""
+    if not follows_layout(layout, written):
+        return None
+    if len(written) == len(layout):
+        return '"'
+    ahead = layout[len(written) :]
+    separators = ahead[: next((i for i, slot in enumerate(ahead) if slot in _LAYOUT_DIGITS), len(ahead))]
+    return separators or None
+
+
 def _opening_fit(schema: dict, char: str) -> int:
     """How a value of `schema` starting with `char` fits (any start fits where its type is not one of JSON's)."""
     kind = schema.get("type")
@@ -248,6 +302,9 @@ def _string_fit(frame: _String, parent: _Frame, char: str) -> int:
         candidates = _string_values(frame.schema)
         if not candidates and char == '"' and frame.text in _TYPE_NAMES:
             return BREAKS
+        layout = value_layout(frame.schema)
+        if layout is not None and follows_layout(layout, frame.text) and char != '"':  # an answer may end it early
+            return FITS if follows_layout(layout, frame.text + char) else BREAKS
     if not candidates:
         return FITS
     if char == '"':
@@ -614,6 +671,15 @@ class AnswerReader:
         values = _string_values(frame.schema)
         return (frame.text, values) if values else None
 
+    def open_layout(self) -> tuple[str, str] | None:
+        """(its text so far, its layout) where the answer writes a string value whose schema gives a date or time
+        layout (`value_layout`), else None."""
+        frame = self._open_frame()
+        if not isinstance(frame, _String) or frame.is_key or frame.escaped:
+            return None
+        layout = value_layout(frame.schema)
+        return (frame.text, layout) if layout is not None else None
+
     def key_in_order(self) -> tuple[str, str] | None:
         """(its text so far, the key it likely is) where the answer writes a key no required property forces:
         the next property in schema order (`_Object.next_in_order`) that begins with what is written."""
@@ -733,6 +799,10 @@ class AnswerReader:
             candidates = parent.unwritten()
         else:
             candidates = _string_values(frame.schema)
+            layout = value_layout(frame.schema)
+            if not candidates and layout is not None and layout_rest(layout, frame.text) is None \
+                    and follows_layout(layout, frame.text):
+                return DIGITS  # a laid-out value's next digit
         matching = [c[len(frame.text) :] + '"' for c in candidates if c.startswith(frame.text)]
         return tuple(matching) or None
 

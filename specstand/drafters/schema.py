@@ -5,11 +5,13 @@ Per request, the tools and response format (or a tools list found in the prompt)
 unique function name, `", "arguments": {"`, required keys, enum values, closing braces and tags), the
 drafter drafts its tokens with confidence 1.0. Where several function names (or enum values) remain, it drafts
 the one whose words the prompt speaks of outside the tool definitions; where an optional argument may follow,
-the next in schema order. Inside free values (strings, numbers) and wherever the text has another choice it
-drafts by suffix decoding over the prompt, the conversation and earlier answers (a composed
-`SuffixDrafter`, whose path probabilities are the confidence), its guesses held to what fits the schema. A
-value whose first characters begin a word of the prompt's text is copied by that text (the prompt may split
-the word into other tokens than the answer does, where suffix decoding finds no match). They take turns
+the next in schema order; inside a date or time whose description spells its layout (`YYYY-MM-DD`, `HH:MM`),
+the separators and, after its last digit, the closing quote. Inside free values (strings, numbers) and
+wherever the text has another choice it drafts by suffix decoding over the prompt, the conversation and earlier
+answers (a composed `SuffixDrafter`, whose path probabilities are the confidence), its guesses held to what
+fits the schema. A value whose first characters begin a word of the prompt's text is copied by that text (the
+prompt may split the word into other tokens than the answer does, where suffix decoding finds no match). A
+guess is drafted with the forced text after it. They take turns
 within a draft: suffix decoding goes on after forced tokens, and its guess gives way where the structure
 forces other text (past a copied value, the schema's next key). Training-free and lossless like every
 drafter: an answer that leaves the schema only makes the forced drafts stop.
@@ -35,6 +37,7 @@ from specstand.drafters.json_reader import (
     answer_structure,
     copied_value,
     forced_text,
+    layout_rest,
     mentions,
     ranked_choice,
 )
@@ -80,6 +83,7 @@ class SchemaConfig:
     tail_tokens: int = 8  # answer tokens encoded again with the forced text (BPE merges reach no further back)
     max_forced_chars: int = 160  # forced text looked at per draft (far more than K tokens of it)
     key_order_confidence: float = 0.5  # an optional argument guessed as the next in schema order
+    layout_confidence: float = 0.9  # a date or time value's separators where its description gives the layout
 
 
 @dataclass
@@ -219,12 +223,18 @@ class SchemaDrafter(Drafter):
         answer, reader = self._reader_after(seq, drafted)
         if reader is None:
             return [], 0.0
-        likely = self._chosen_text(answer, reader) or self._copied_text(answer, reader)
+        likely = self._chosen_text(answer, reader) or self._laid_out_text(reader) or self._copied_text(answer, reader)
         if likely is None:
             return [], 0.0
         rest, confidence = likely
+        # the forced text after it goes with it, so that the tokens at their boundary are known
+        probe = reader.clone()
+        probe.feed(rest)
+        then = forced_text(probe, self.config.max_forced_chars)
         answer_ids = seq.output_ids + drafted
-        return continuation_tokens(self.codec, answer_ids, Forced(rest, None), self.config.tail_tokens), confidence
+        tokens = continuation_tokens(self.codec, answer_ids, Forced(rest + then.text, then.followers),
+                                     self.config.tail_tokens)
+        return tokens, confidence
 
     def _chosen_text(self, answer: _Answer, reader: AnswerReader) -> tuple[str, float] | None:
         """Where the answer writes a function name (or an enum value) that several offered ones begin with: the
@@ -237,13 +247,22 @@ class SchemaDrafter(Drafter):
         key = reader.key_in_order()
         return (key[1][len(key[0]) :] + '"', self.config.key_order_confidence) if key is not None else None
 
+    def _laid_out_text(self, reader: AnswerReader) -> tuple[str, float] | None:
+        """Where the answer writes a value whose schema gives a date or time layout (`Format: YYYY-MM-DD`): the
+        separators it puts next, or the closing quote after its last digit."""
+        layout = reader.open_layout()
+        rest = layout_rest(layout[1], layout[0]) if layout is not None else None
+        return (rest, self.config.layout_confidence) if rest is not None else None
+
     @staticmethod
     def _copied_text(answer: _Answer, reader: AnswerReader) -> tuple[str, float] | None:
         """Where the answer writes a value whose start the prompt holds (a word of the user's, a tool result's
         field) but no token sequence matches (the prompt splits it into other tokens): the rest of it, as
         `copied_value` reads the prompt's text, and the share of the prompt's occurrences that agree."""
-        value = reader.open_value()
-        return copied_value(answer.prompt, *value) if value is not None and value[1] else None
+        value, layout = reader.open_value(), reader.open_layout()
+        if value is None or not value[1]:
+            return None
+        return copied_value(answer.prompt, *value, layout=layout[1] if layout is not None else None)
 
     def _until_structure(self, seq: SequenceView, drafted: list[int], guess: list[int]) -> int:
         """How many tokens of suffix decoding's `guess` (after `drafted`) to keep: all, or those before the

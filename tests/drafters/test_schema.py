@@ -16,9 +16,11 @@ from specstand.drafters.json_reader import (
     answer_structure,
     copied_value,
     forced_text,
+    layout_rest,
     mentions,
     ranked_choice,
     tools_in_text,
+    value_layout,
     words,
 )
 from specstand.drafters.schema import HFTextCodec, SchemaDrafter, continuation_tokens
@@ -353,6 +355,41 @@ def test_optional_arguments_are_guessed_in_schema_order():
     assert reader.key_in_order() == ("", "returnDate")
     reader.feed("cab")
     assert reader.key_in_order() == ("cab", "cabinClass")
+
+
+def test_a_date_or_time_layout_the_description_spells():
+    assert value_layout({"type": "string", "description": "Drop off date\nFormat: **YYYY-MM-DD**DATE (YYYY-MM-DD)"}) \
+        == "YYYY-MM-DD"
+    assert value_layout({"type": "string", "description": "Format: **HH:MM**. TIME (24-hour HH:MM)"}) == "HH:MM"
+    assert value_layout({"type": "string", "format": "date"}) == "YYYY-MM-DD"
+    assert value_layout({"type": "string", "description": "YYYY-MM-DD or MM/DD/YYYY"}) is None  # which one: not said
+    assert value_layout({"type": "string", "description": "HHMM, a YEAR-MODE or MMM"}) is None  # no layout
+    assert layout_rest("YYYY-MM-DD", "2024") == "-"
+    assert layout_rest("YYYY-MM-DD", "2024-1") is None  # a digit comes next
+    assert layout_rest("YYYY-MM-DD", "2024-11-25") == '"'
+    assert layout_rest("HH:MM", "9:") is None  # the answer wrote another layout
+    assert layout_rest("YYYY-MM-DD", "") is None
+    # a copy from the prompt keeps to the layout: its start that does, where the prompt's word goes on otherwise
+    text = "A 24-hour rental from November 5, 2024, with 24-hour support."
+    assert copied_value(text, "string", "2") == ('4-hour"', 2 / 3)
+    assert copied_value(text, "string", "2", layout="YYYY-MM-DD") == ("4", 2 / 3)  # "24" may start a year
+    assert copied_value(text, "string", "20") == ('24"', 1.0)
+    assert copied_value(text, "string", "20", layout="YYYY-MM-DD") == ("24", 1.0)  # the month is to come
+    assert copied_value("on 2024-11-25, fine", "string", "2024-11", layout="YYYY-MM-DD") == ('-25"', 1.0)
+
+
+def test_a_laid_out_values_separators_and_its_end_are_drafted():
+    codec = CharCodec()
+    answer = '{"name": "Get_Room_Availability", "arguments": {"hotel_id": 7, "min_date": "2024'
+    draft = schema_draft(codec, "Which rooms are free?\n", answer, 12)
+    assert codec.decode(draft.tokens) == "-"  # the month's digits are the model's
+    assert draft.confidence == [SchemaDrafter(codec).config.layout_confidence]
+    draft = schema_draft(codec, "Which rooms are free?\n", answer + "-11-01", 20)
+    assert codec.decode(draft.tokens).startswith('", "max_date": "')  # its end, then the structure's next key
+    # suffix guesses keep to the layout: the prompt's "2024 11" would put a space where a separator goes
+    assert fit_after('{"name": "Search_Hotels", "arguments": {"arrival_date": "2024', " 11") == BREAKS
+    assert fit_after('{"name": "Search_Hotels", "arguments": {"arrival_date": "2024', "-11-01") == FITS
+    assert fit_after('{"name": "Search_Hotels", "arguments": {"arrival_date": "Dec', "ember 1") == FITS  # not laid out
 
 
 def test_the_name_and_arguments_the_request_implies_are_drafted():

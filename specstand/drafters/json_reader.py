@@ -12,6 +12,7 @@ closing braces, the wrapper's closing. Whitespace follows what the answer has wr
 
 from __future__ import annotations
 
+import functools
 import json
 import re
 from collections import Counter
@@ -242,11 +243,17 @@ DIGITS = tuple("0123456789")
 def value_layout(schema: dict) -> str | None:
     """The layout of a string value's digits and separators where its schema gives exactly one: JSON Schema's
     `format: date`, or the one layout its description spells."""
-    named = _FORMAT_LAYOUTS.get(schema.get("format"))  # type: ignore[arg-type]
-    if named is not None:
-        return named
+    named = schema.get("format")
+    if isinstance(named, str) and named in _FORMAT_LAYOUTS:
+        return _FORMAT_LAYOUTS[named]
     description = schema.get("description")
-    found = set(_LAYOUT.findall(description)) if isinstance(description, str) else set()
+    return _spelled_layout(description) if isinstance(description, str) else None
+
+
+@functools.lru_cache(maxsize=1024)
+def _spelled_layout(description: str) -> str | None:
+    """The one layout a description spells (read once: the fit of every guessed character asks)."""
+    found = set(_LAYOUT.findall(description))
     return found.pop() if len(found) == 1 else None
 
 

@@ -219,7 +219,8 @@ class SchemaDrafter(Drafter):
 
     def _likely_tokens(self, seq: SequenceView, drafted: list[int]) -> tuple[list[int], float]:
         """Text the structure leaves open but the request makes likely, in the answer's tokens, and its
-        confidence: a choice (`_chosen_text`), else the rest of a value the prompt's text holds (`_copied_text`)."""
+        confidence, with the forced text after it: a choice (`_chosen_text`), else a date's or time's separators
+        (`_laid_out_text`), else the rest of a value the prompt's text holds (`_copied_text`)."""
         answer, reader = self._reader_after(seq, drafted)
         if reader is None:
             return [], 0.0
@@ -227,7 +228,7 @@ class SchemaDrafter(Drafter):
         if likely is None:
             return [], 0.0
         rest, confidence = likely
-        # the forced text after it goes with it, so that the tokens at their boundary are known
+        # drafted with the forced text after it: the tokens at their boundary (`",`) are then known
         probe = reader.clone()
         probe.feed(rest)
         then = forced_text(probe, self.config.max_forced_chars)

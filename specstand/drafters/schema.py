@@ -11,10 +11,10 @@ wherever the text has another choice it drafts by suffix decoding over the promp
 answers (a composed `SuffixDrafter`, whose path probabilities are the confidence), its guesses held to what
 fits the schema. A value whose first characters begin a word of the prompt's text is copied by that text (the
 prompt may split the word into other tokens than the answer does, where suffix decoding finds no match). A
-guess is drafted with the forced text after it. They take turns
-within a draft: suffix decoding goes on after forced tokens, and its guess gives way where the structure
-forces other text (past a copied value, the schema's next key). Training-free and lossless like every
-drafter: an answer that leaves the schema only makes the forced drafts stop.
+guess is drafted with the forced text after it. They take turns within a draft: suffix decoding goes on after
+forced tokens, and its guess gives way where the structure forces other text (past a copied value, the
+schema's next key). Training-free and lossless like every drafter: an answer that leaves the schema only makes
+the forced drafts stop.
 
 Tokens: a BPE token may span the end of the answer so far and the start of the forced text, or the end of
 the forced text and what follows. So the answer's last few tokens are decoded and encoded again with the

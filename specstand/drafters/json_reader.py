@@ -659,33 +659,33 @@ class AnswerReader:
         """The innermost container, string or scalar the answer's JSON is in (None outside JSON)."""
         return self.stack[-1] if self.mode == "json" and self.stack else None
 
+    def _open_string_value(self) -> _String | None:
+        """The string value (not a key) the answer is writing, outside an escape; None elsewhere."""
+        frame = self._open_frame()
+        return frame if isinstance(frame, _String) and not frame.is_key and not frame.escaped else None
+
     def open_value(self) -> tuple[str, str] | None:
         """("string", its text so far) or ("scalar", its text so far) where the answer is writing a value (not a
         key), else None."""
+        string = self._open_string_value()
+        if string is not None:
+            return "string", string.text
         frame = self._open_frame()
-        if isinstance(frame, _String) and not frame.is_key and not frame.escaped:
-            return "string", frame.text
-        if isinstance(frame, _Scalar):
-            return "scalar", frame.text
-        return None
+        return ("scalar", frame.text) if isinstance(frame, _Scalar) else None
 
     def open_choices(self) -> tuple[str, list[str]] | None:
         """(its text so far, its enum values) where the answer writes a string value that has them (a function
         name: the offered functions), else None."""
-        frame = self._open_frame()
-        if not isinstance(frame, _String) or frame.is_key or frame.escaped:
-            return None
-        values = _string_values(frame.schema)
-        return (frame.text, values) if values else None
+        string = self._open_string_value()
+        values = _string_values(string.schema) if string is not None else []
+        return (string.text, values) if string is not None and values else None
 
     def open_layout(self) -> tuple[str, str] | None:
         """(its text so far, its layout) where the answer writes a string value whose schema gives a date or time
         layout (`value_layout`), else None."""
-        frame = self._open_frame()
-        if not isinstance(frame, _String) or frame.is_key or frame.escaped:
-            return None
-        layout = value_layout(frame.schema)
-        return (frame.text, layout) if layout is not None else None
+        string = self._open_string_value()
+        layout = value_layout(string.schema) if string is not None else None
+        return (string.text, layout) if string is not None and layout is not None else None
 
     def key_in_order(self) -> tuple[str, str] | None:
         """(its text so far, the key it likely is) where the answer writes a key no required property forces:

@@ -20,6 +20,7 @@ import torch
 from printed import Printed
 from schema_tau import SOURCES, HeldOutCall, chat_request, heldout_turns, run_method
 
+from specstand import kernels
 from specstand.drafters.json_reader import AnswerReader, answer_structure
 from specstand.models import load_model
 from specstand.workloads import Call
@@ -90,6 +91,8 @@ def main() -> None:
         totals[first][2] += oracle_passes(spans, args.k)
     say(f"# schema headroom: {args.model} {args.dtype}, greedy, K={args.k}; {len(calls)} held-out calls of "
         f"{args.turns} turns each of {', '.join(SOURCES)}")
+    say(f"cpu: {kernels.cpu_model()}; flags: {' '.join(kernels.cpu_flags())}; kernel path: {kernels.best_path()} "
+        "(plain answers may differ between paths: they round differently)")
     say("calls | tokens | made-up tokens | oracle passes | oracle tau")
     say("------|--------|----------------|---------------|-----------")
     for first in (True, False):

@@ -42,6 +42,10 @@ def add_parsers(commands: argparse._SubParsersAction) -> None:
     serve.add_argument("--max-batch", "--max-num-seqs", dest="max_batch", type=int, default=8,
                        help="requests decoded together")
     serve.add_argument("--max-queue", type=int, default=64, help="requests in flight before 429")
+    serve.add_argument("--prefix-cache-gb", type=float, default=None,
+                       help="host memory for finished requests' K/V, reused by later prompts with the same head "
+                            "(an agent's system prompt and tools) after their slot is taken; 0: slots only "
+                            "(default: a quarter of the free memory, at most 4)")
     serve.add_argument("--served-model-name", default="", help="the model's name in the API (default: --model)")
     serve.add_argument("--enable-auto-tool-choice", action="store_true",
                        help="answers to requests offering tools come back as tool_calls where they hold calls")
@@ -164,6 +168,8 @@ def cmd_serve(args: argparse.Namespace) -> None:
     check_target_args(args)
     if args.max_batch < 1 or args.max_queue < 1:
         raise CliError("--max-batch and --max-queue must be >= 1")
+    if args.prefix_cache_gb is not None and args.prefix_cache_gb < 0:
+        raise CliError("--prefix-cache-gb must be >= 0")
     if args.request_timeout <= 0 or args.max_prompt_chars <= 0 or args.max_body_bytes <= 0:
         raise CliError("--request-timeout, --max-prompt-chars and --max-body-bytes must be > 0")
     if not 0 <= args.port < 2**16:
@@ -173,9 +179,11 @@ def cmd_serve(args: argparse.Namespace) -> None:
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     model = load_model(args.model, args.dtype, args.max_seq_len, log=log)
     limits = ServerLimits(args.max_body_bytes, args.max_prompt_chars, args.request_timeout)
+    store = None if args.prefix_cache_gb is None else int(args.prefix_cache_gb * 2**30)
     config = ServerConfig(args.method, args.k, args.max_batch, args.max_queue, args.served_model_name,
                           args.model, args.drafter, args.ngram, limits, args.adaptive,
-                          tool_call_parser=parser, api_key=args.api_key)
+                          tool_call_parser=parser, api_key=args.api_key,
+                          prefix_store_bytes=store)
     app, worker = build_server(model, config)
     adaptive = ", adaptive verification" if args.adaptive else ", fixed K"
     if not worker.engine.exact:
@@ -183,7 +191,7 @@ def cmd_serve(args: argparse.Namespace) -> None:
     tools = f", tool calls read as {parser}" if parser else ""
     key = ", API key required" if args.api_key else ""
     log(f"serving {args.model} with method {args.method} (K={worker.engine.config.num_speculative_tokens}"
-        f"{adaptive}{tools}{key}) on http://{args.host}:{args.port}")
+        f"{adaptive}{tools}{key}{_store_words(worker.engine)}) on http://{args.host}:{args.port}")
     # What start-up built (torch, the model, the server) lives as long as the process: kept out of the cyclic
     # collector's full collections, which scanned it all on the engine thread (0.1-0.2 s pauses, several a
     # minute, measured at 4 users on SmolLM2)
@@ -194,6 +202,13 @@ def cmd_serve(args: argparse.Namespace) -> None:
         uvicorn.run(app, host=args.host, port=args.port, log_level="warning", timeout_keep_alive=KEEP_ALIVE_S)
     finally:
         worker.stop()
+
+
+def _store_words(engine) -> str:
+    cache = engine.prefix_cache
+    if cache.store is not None:
+        return f", prefix store {cache.store.budget_bytes / 2**30:.1f} GiB"
+    return f", no prefix store ({cache.store_off_reason})" if cache.store_off_reason else ""
 
 
 COMMANDS: dict[str, Callable[[argparse.Namespace], None]] = {"generate": cmd_generate, "serve": cmd_serve}

@@ -2,6 +2,7 @@
 
 from specstand.engine.engine import Engine, EngineConfig, ExactnessError
 from specstand.engine.request import GenerationResult, Request, StepEvent
-from specstand.engine.stats import DecodeStats
+from specstand.engine.stats import DecodeStats, EngineTimes
 
-__all__ = ["DecodeStats", "Engine", "EngineConfig", "ExactnessError", "GenerationResult", "Request", "StepEvent"]
+__all__ = ["DecodeStats", "Engine", "EngineConfig", "EngineTimes", "ExactnessError", "GenerationResult", "Request",
+           "StepEvent"]

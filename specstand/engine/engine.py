@@ -19,8 +19,9 @@ import torch
 
 from specstand.drafters import Draft, Drafter, HiddenRows, SequenceView
 from specstand.engine.adaptive import AdaptiveVerifier, PassCost, profile_pass_cost
+from specstand.engine.prefix_cache import PrefixCache, common_prefix
 from specstand.engine.request import GenerationResult, Request, StepEvent
-from specstand.engine.stats import DecodeStats
+from specstand.engine.stats import DecodeStats, EngineTimes
 from specstand.runner import PassInput, PassOutput, TargetRunner
 from specstand.runner.exactness import row_unit
 from specstand.runner.runner import PREFILL_BLOCK, PROMPT_CHUNK
@@ -36,7 +37,9 @@ class EngineConfig:
     max_seq_len: int = 2048  # cache capacity of one request: prompt + answer + K + 1
     max_batch: int = 1  # requests decoded together (cache slots)
     exact: bool = True  # fix pass shapes so greedy output cannot depend on draft lengths
-    prefix_reuse: bool = True  # start a prompt from the longest cached prompt head of any slot
+    prefix_reuse: bool = True  # start a prompt from the longest cached head (slots and store)
+    # host memory for finished requests' heads beyond the slots (engine/prefix_cache.py); 0: slots only
+    prefix_store_bytes: int = 0
     # verify only the draft tokens that pay for their rows (engine/adaptive.py); False: every draft at fixed K
     adaptive: bool = True
 
@@ -45,6 +48,8 @@ class EngineConfig:
             raise ValueError("the number of speculative tokens (K) must be >= 0")
         if self.max_batch < 1:
             raise ValueError("max_batch must be >= 1")
+        if self.prefix_store_bytes < 0:
+            raise ValueError("the prefix store's budget must be >= 0 bytes")
 
 
 class ExactnessError(RuntimeError):
@@ -88,15 +93,6 @@ class _Running:
         return len(self.seq.token_ids) - self.seq.prompt_len
 
 
-def _common_prefix(a: list[int], b: list[int]) -> int:
-    n = 0
-    for x, y in zip(a, b, strict=False):
-        if x != y:
-            break
-        n += 1
-    return n
-
-
 class Engine:
     def __init__(self, model: DecoderModel, drafter: Drafter | None, config: EngineConfig) -> None:
         self.config = config
@@ -117,18 +113,17 @@ class Engine:
         # any cached head is reusable, a finished request's answer included; elsewhere only whole prefill
         # blocks of a prompt are (decode passes round differently from torch's prompt GEMMs).
         self._reuse_answers = self.runner.compiled_prompts
-        self._reuse_unit = 1 if self._reuse_answers else PREFILL_BLOCK
-        self._cached: dict[int, list[int]] = {}  # slot -> the tokens whose K/V its first positions hold
-        # slot -> the target's tapped hidden states of those tokens: a drafter that reads them gets the whole
-        # prompt even when its head came from the cache (reused positions compute bit-identically anyway)
-        self._cached_taps: dict[int, dict[int, torch.Tensor]] = {}
-        self._last_use: dict[int, int] = {}  # slot -> when its request ended (free slots are evicted LRU)
-        self._clock = 0
+        self.prefix_cache = PrefixCache(self.runner.cache, config.prefix_reuse,
+                                        1 if self._reuse_answers else PREFILL_BLOCK, self._reuse_answers,
+                                        self.tap_layers, config.prefix_store_bytes)
+        if self.prefix_cache.store_off_reason:
+            logger.warning("no prefix store beyond the slots for this target: %s", self.prefix_cache.store_off_reason)
+        self.times = EngineTimes()  # where the engine's time went, summed over its steps
         self._adaptive = (
             AdaptiveVerifier(self._profile_pass_cost(), max_depth=config.num_speculative_tokens)
             if config.adaptive and drafter is not None else None
         )
-        self._waiting: deque[tuple[int, Request]] = deque()
+        self._waiting: deque[tuple[int, Request, float]] = deque()  # (id, request, when it was added)
         self._running: dict[int, _Running] = {}
         self._next_id = 0
 
@@ -149,7 +144,7 @@ class Engine:
         self.check_request(request)
         request_id = self._next_id
         self._next_id += 1
-        self._waiting.append((request_id, request))
+        self._waiting.append((request_id, request, time.perf_counter()))
         return request_id
 
     def abort(self, request_id: int) -> None:
@@ -163,15 +158,12 @@ class Engine:
         for request_id in list(self._running):
             self.abort(request_id)
         self._waiting.clear()
-        self._cached.clear()
-        self._cached_taps.clear()
+        self.prefix_cache.clear()
 
     def forget_history(self) -> None:
-        """Forget what earlier requests left behind: the prompts cached in free slots (prefix reuse) and the
-        drafter's memory of earlier answers. Requests in flight keep their own caches."""
-        free = set(self.runner.cache.free_slot_ids)
-        for slot in [slot for slot in self._cached if slot in free]:
-            self._forget(slot)
+        """Forget what earlier requests left behind: the heads cached in free slots and in the prefix store,
+        and the drafter's memory of earlier answers. Requests in flight keep their own caches."""
+        self.prefix_cache.clear(self.runner.cache.free_slot_ids)
         if self.drafter is not None:
             self.drafter.forget()
 
@@ -190,6 +182,7 @@ class Engine:
         never stalls behind a long prompt; elsewhere prompts are computed whole on admission). A failure
         in one request's admission, draft, pass, verification or emission finishes that request alone
         with finish_reason "error" (its slot freed); the others go on."""
+        started, timed = time.perf_counter(), self.times.accounted
         events = self._admit()
         if not self.runner.compiled_prompts:
             events += self._prefill_whole_prompts()
@@ -202,6 +195,8 @@ class Engine:
                     events.append(self._verified(item.request_id, item.state, item.draft, output))
             except Exception as error:  # noqa: BLE001
                 events.append(self._fail(item.request_id, item.state, error))
+        # admission, verification, emission: what the step spent outside passes and drafting
+        self.times.other += time.perf_counter() - started - (self.times.accounted - timed)
         return events
 
     def _drafted_work(self, events: list[StepEvent]) -> list[_Work]:
@@ -226,13 +221,19 @@ class Engine:
         return [_Work(r, state, [state.seq.token_ids[-1], *draft.tokens], draft) for r, state, draft in proposals]
 
     def _timed_pass(self, work: list[_Work], events: list[StepEvent]) -> list[tuple[_Work, PassOutput]]:
-        """The shared pass; a pass of decode rows only also tells adaptive verification what it cost."""
+        """The shared pass, its time split between prompt and decode rows by their count; a pass of decode
+        rows only also tells adaptive verification what it cost."""
         started = time.perf_counter()
         done = self._pass(work, events)
-        if self._adaptive is not None and done and all(item.draft is not None for item in work):
-            rows = sum(len(item.tokens) for item in work)
+        seconds = time.perf_counter() - started
+        rows = sum(len(item.tokens) for item in work)
+        prompt_rows = sum(len(item.tokens) for item in work if item.draft is None)
+        if rows:
+            self.times.prompt += seconds * prompt_rows / rows
+            self.times.decode += seconds * (rows - prompt_rows) / rows
+        if self._adaptive is not None and done and not prompt_rows:
             keys = sum(len(item.tokens) * (len(item.state.seq.token_ids) - 1) for item in work)
-            self._adaptive.pass_cost.observe(rows, time.perf_counter() - started, keys)
+            self._adaptive.pass_cost.observe(rows, seconds, keys)
         return done
 
     def _verified(self, request_id: int, state: _Running, draft: Draft, output: PassOutput) -> StepEvent:
@@ -264,7 +265,9 @@ class Engine:
             if state.decoding:
                 continue
             try:
+                started = time.perf_counter()
                 output = self.runner.prefill(state.slot, state.seq.token_ids[: state.seq.prompt_len], self.tap_layers)
+                self.times.prompt += time.perf_counter() - started
                 events += self._prompt_progress(request_id, state, output)
             except Exception as error:  # noqa: BLE001 - this prompt failed; the next may not
                 events.append(self._fail(request_id, state, error))
@@ -274,14 +277,15 @@ class Engine:
         """Record a computed stretch of a prompt; after its last, emit the first answer token."""
         state.prompt_done = self.runner.cache.lengths[state.slot]
         slot, prompt = state.slot, state.seq.token_ids[: state.seq.prompt_len]
-        self._cached[slot] = prompt[: state.prompt_done]  # later prompts may reuse it already
+        taps = {}
         if self.tap_layers:
             state.prompt_taps.append(output.taps)
-            self._cached_taps[slot] = {k: torch.cat([p[k] for p in state.prompt_taps]) for k in self.tap_layers}
+            taps = {k: torch.cat([p[k] for p in state.prompt_taps]) for k in self.tap_layers}
+        self.prefix_cache.computed(slot, prompt[: state.prompt_done], taps)  # later prompts may reuse it already
         if not state.decoding:
             return []
         verdict = self._verify(state, Draft([]), output.logits)
-        return [self._emit(request_id, state, verdict, 0, HiddenRows(0, self._cached_taps.get(slot, {})))]
+        return [self._emit(request_id, state, verdict, 0, HiddenRows(0, self.prefix_cache.taps(slot)))]
 
     def _pass(self, work: list[_Work], events: list[StepEvent]) -> list[tuple[_Work, PassOutput]]:
         """One target pass over every request's rows: [(work, output)]. If it raises, each request gets a
@@ -338,7 +342,7 @@ class Engine:
     def _fail(self, request_id: int, state: _Running, error: Exception) -> StepEvent:
         """Finish one request with its error and free its slot."""
         self._running.pop(request_id, None)
-        self._forget(state.slot)
+        self.prefix_cache.forget(state.slot)
         self.runner.cache.release(state.slot)
         if self.drafter is not None:
             with contextlib.suppress(Exception):  # the request has failed already; whatever it held goes
@@ -353,22 +357,24 @@ class Engine:
         the next pass on. A request whose head another prompt is computing right now waits for it."""
         events, deferred = [], []
         while self._waiting and self.runner.cache.free_slots:
-            request_id, request = self._waiting.popleft()
-            donor, common = self._longest_cached_head(request.prompt_ids)
-            if self._head_in_progress(request.prompt_ids, common):
-                deferred.append((request_id, request))
+            request_id, request, queued_at = self._waiting.popleft()
+            if self._head_in_progress(request.prompt_ids):
+                deferred.append((request_id, request, queued_at))
                 continue
-            slot, reused, head_taps = self._reusable_slot(request.prompt_ids, donor, common)
+            placed = self.prefix_cache.place(request.prompt_ids)
             seed = request.sampling.seed if request.sampling.seed is not None else random.getrandbits(63)
+            stats = DecodeStats(prompt_tokens=len(request.prompt_ids), cached_prompt_tokens=placed.reused,
+                                stored_prompt_tokens=placed.from_store,
+                                queue_seconds=time.perf_counter() - queued_at)
             state = _Running(
                 request=request,
                 seq=SequenceView(request_id, list(request.prompt_ids), len(request.prompt_ids),
                                  request.sampling.temperature, request.tools, request.response_format),
-                slot=slot,
+                slot=placed.slot,
                 generator=torch.Generator().manual_seed(seed),
-                stats=DecodeStats(cached_prompt_tokens=reused),
-                prompt_done=reused,
-                prompt_taps=[head_taps] if head_taps else [],
+                stats=stats,
+                prompt_done=placed.reused,
+                prompt_taps=[placed.taps] if placed.taps else [],
             )
             self._running[request_id] = state
             try:
@@ -379,57 +385,14 @@ class Engine:
         self._waiting.extendleft(reversed(deferred))
         return events
 
-    def _longest_cached_head(self, prompt: list[int]) -> tuple[int | None, int]:
-        """The slot whose cached tokens share the longest head with `prompt` (a free one among equals) and
-        how long that head is: (None, 0) without prefix reuse. A running slot caches its prompt (so far)."""
-        free = self.runner.cache.free_slot_ids
-        donor, common = None, 0
-        if self.config.prefix_reuse:
-            for slot, cached in self._cached.items():
-                n = _common_prefix(cached, prompt)
-                if n > common or (n == common and n and slot in free):
-                    donor, common = slot, n
-        return donor, common
-
-    def _head_in_progress(self, prompt: list[int], cached: int) -> bool:
-        """Whether a prompt being computed shares at least a prefill block more of `prompt`'s head than
-        the `cached` positions any cache holds now: waiting a pass or two for it saves computing that head
-        twice."""
+    def _head_in_progress(self, prompt: list[int]) -> bool:
+        """Whether a prompt being computed shares at least a prefill block more of `prompt`'s head than any
+        cache holds now: waiting a pass or two for it saves computing that head twice."""
         if not self.config.prefix_reuse:
             return False
-        coming = max((_common_prefix(state.seq.token_ids[: state.seq.prompt_len], prompt)
+        coming = max((common_prefix(state.seq.token_ids[: state.seq.prompt_len], prompt)
                       for state in self._running.values() if not state.decoding), default=0)
-        return min(coming, len(prompt) - 1) - cached >= PREFILL_BLOCK
-
-    def _reusable_slot(self, prompt: list[int], donor: int | None,
-                       common: int) -> tuple[int, int, dict[int, torch.Tensor]]:
-        """Pick a free slot for `prompt` and fill it with the head of `common` tokens that slot `donor`
-        caches (see _longest_cached_head). Returns the slot, how many positions it holds (never the last
-        prompt token: its logits are needed; whole prefill blocks where those are the unit of exactness)
-        and their tapped hidden states."""
-        free = self.runner.cache.free_slot_ids
-        reuse = 0 if donor is None else self.runner.cache.reusable_length(donor, min(common, len(prompt) - 1),
-                                                                          self._reuse_unit)
-        others = [slot for slot in free if slot != donor]
-        # take the donor itself where that loses nothing it cached, or no other slot is free
-        if reuse and donor in free and (len(self._cached[donor]) <= reuse or not others):
-            target = donor
-        else:
-            # evict what is least likely to be wanted: a slot with nothing cached, else the longest unused
-            target = min(others or free, key=lambda slot: (slot in self._cached, self._last_use.get(slot, -1)))
-        self.runner.cache.allocate(target)
-        if reuse and target != donor:
-            self.runner.cache.copy_prefix(donor, target, reuse)
-        else:
-            self.runner.cache.rollback(target, reuse)
-        head_taps = {k: t[:reuse] for k, t in self._cached_taps.get(donor, {}).items()} if reuse else {}
-        self._forget(target)  # its K/V above `reuse` are about to change
-        return target, reuse, head_taps
-
-    def _forget(self, slot: int) -> None:
-        self._cached.pop(slot, None)
-        self._cached_taps.pop(slot, None)
-        self._last_use.pop(slot, None)
+        return min(coming, len(prompt) - 1) - self.prefix_cache.cached_length(prompt) >= PREFILL_BLOCK
 
     def _probed(self, states: list[_Running]) -> int | None:
         """The one request a probe drafts for, or None (all of them). A drafter that reads the target's
@@ -462,9 +425,10 @@ class Engine:
             drafts: list[Draft | Exception] = list(self.drafter.propose_many([s.seq for s in states], budgets))
         except Exception:  # noqa: BLE001 - find out which request it was
             drafts = [self._propose_alone(s.seq, b) for s, b in zip(states, budgets, strict=True)]
-        share = (time.perf_counter() - started) / len(states)
+        seconds = time.perf_counter() - started
+        self.times.draft += seconds
         for state in states:
-            state.stats.draft_seconds += share
+            state.stats.draft_seconds += seconds / len(states)
         return [d if isinstance(d, Exception) else d.cut(max(b, 0)) for d, b in zip(drafts, budgets, strict=True)]
 
     def _propose_alone(self, seq: SequenceView, budget: int) -> Draft | Exception:
@@ -508,15 +472,7 @@ class Engine:
     def _release(self, state: _Running) -> None:
         """Free a finished or aborted request's slot. Where answers are reusable, the slot keeps its prompt
         and answer as a cached head (positions below the cache length hold the K/V of those tokens)."""
-        slot = state.slot
-        if self._reuse_answers and slot in self._cached:
-            held = min(self.runner.cache.lengths[slot], len(state.seq.token_ids))
-            self._cached[slot] = state.seq.token_ids[:held]
-            if self.tap_layers:
-                parts = [self._cached_taps[slot], *state.answer_taps]
-                self._cached_taps[slot] = {k: torch.cat([p[k] for p in parts])[:held] for k in self.tap_layers}
-        self._clock += 1
-        self._last_use[slot] = self._clock
-        self.runner.cache.release(slot)
+        self.prefix_cache.release(state.slot, state.seq.token_ids, state.answer_taps)
+        self.runner.cache.release(state.slot)
         if self.drafter is not None:
             self.drafter.end(state.seq)

@@ -14,8 +14,11 @@ class DecodeStats:
     emitted_tokens: int = 0
     drafted_per_position: list[int] = field(default_factory=list)  # drafts that reached position i
     accepted_per_position: list[int] = field(default_factory=list)  # ... and were accepted there
-    cached_prompt_tokens: int = 0  # prompt positions reused from an earlier call's cache
-    draft_seconds: float = 0.0  # time its drafter spent proposing
+    prompt_tokens: int = 0  # its prompt's length
+    cached_prompt_tokens: int = 0  # prompt positions reused from an earlier call's cache (slots or store)
+    stored_prompt_tokens: int = 0  # of those, positions copied from the prefix store
+    draft_seconds: float = 0.0  # time its drafter spent proposing (its share of batched proposals)
+    queue_seconds: float = 0.0  # from being added to the engine until it got a slot
 
     def record_pass(self, drafted: int, accepted: int, emitted: int) -> None:
         self.target_passes += 1
@@ -34,7 +37,7 @@ class DecodeStats:
 
     def merge(self, other: DecodeStats) -> None:
         for name in ("target_passes", "passes_with_draft", "drafted_tokens", "accepted_tokens", "emitted_tokens",
-                     "cached_prompt_tokens", "draft_seconds"):
+                     "prompt_tokens", "cached_prompt_tokens", "stored_prompt_tokens", "draft_seconds", "queue_seconds"):
             setattr(self, name, getattr(self, name) + getattr(other, name))
         for mine, theirs in ((self.drafted_per_position, other.drafted_per_position),
                              (self.accepted_per_position, other.accepted_per_position)):
@@ -62,6 +65,22 @@ class DecodeStats:
         out["tau_per_draft_vllm"] = round(self.tau_per_draft, 4)
         out["acceptance_per_position"] = [round(a, 4) for a in self.acceptance_per_position]
         return out
+
+
+@dataclass
+class EngineTimes:
+    """Where an engine's time went, in seconds summed over its steps: these four add up to the time spent
+    in `Engine.step` (the server adds the time its engine thread waited for work)."""
+
+    prompt: float = 0.0  # target passes, their share on prompt rows (a pass's time split by rows)
+    decode: float = 0.0  # target passes, their share on decode/verify rows
+    draft: float = 0.0  # drafters proposing
+    other: float = 0.0  # admission (head copies), verification, emission, drafter bookkeeping
+
+    @property
+    def accounted(self) -> float:
+        """The time of passes and drafting: what a step's own clock does not attribute to `other`."""
+        return self.prompt + self.decode + self.draft
 
 
 def _grow(values: list[int], length: int) -> None:

@@ -7,6 +7,7 @@ from pathlib import Path
 
 from specstand.drafters import NgramConfig, default_k, make_drafter
 from specstand.engine import Engine, EngineConfig
+from specstand.engine.prefix_cache import default_store_bytes
 from specstand.models import LoadedModel
 from specstand.server.app import create_app
 from specstand.server.bodies import ServerLimits
@@ -30,6 +31,7 @@ class ServerConfig:
     adaptive: bool = True  # adaptive verification (engine/adaptive.py); False: fixed K
     tool_call_parser: str | None = None  # tool_calls.PARSERS; None: answers are never read for calls
     api_key: str | None = None  # required on /v1/* when set
+    prefix_store_bytes: int | None = None  # host memory for cached heads beyond the slots; None: the default
 
 
 def build_server(model: LoadedModel, config: ServerConfig):
@@ -37,8 +39,9 @@ def build_server(model: LoadedModel, config: ServerConfig):
     drafter = make_drafter(config.method, model.decoder, config.target_name or model.name, config.drafter_path,
                            config.ngram, model.tokenizer)
     k = default_k(drafter, config.num_speculative_tokens)
+    store = default_store_bytes() if config.prefix_store_bytes is None else config.prefix_store_bytes
     engine = Engine(model.decoder, drafter, EngineConfig(k, model.max_positions, config.max_batch,
-                                                         adaptive=config.adaptive))
+                                                         adaptive=config.adaptive, prefix_store_bytes=store))
     name = config.served_name or model.name
     metrics = ServerMetrics(name)
     metrics.set_exact(engine.exact)

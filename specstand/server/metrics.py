@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
-from specstand.engine import DecodeStats
+from specstand.engine import DecodeStats, EngineTimes
+
+# where the engine thread's time goes: the engine's own phases (EngineTimes) and the time it waited for work
+PHASES = ("prompt", "decode", "draft", "other", "idle")
 
 
 class ServerMetrics:
@@ -26,6 +29,18 @@ class ServerMetrics:
         self.passes_without_draft = counter("specstand:passes_without_draft", "Target passes that had no draft.")
         self.emitted_tokens = counter("specstand:emitted_tokens", "Tokens emitted by the engine.")
         self.cached_prompt_tokens = counter("specstand:cached_prompt_tokens", "Prompt positions reused from cache.")
+        # vLLM's prefix-cache names (tokens queried and found), so the stand reads specstand and vLLM alike
+        self.prompt_tokens = counter("vllm:prompt_tokens", "Prompt tokens of finished requests.")
+        self.prefix_queries = counter("vllm:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.")
+        self.prefix_hits = counter("vllm:prefix_cache_hits", "Prompt tokens found in the prefix cache.")
+        self.store_hits = counter("specstand:prefix_store_hits", "Prompt tokens copied from the prefix store (the "
+                                  "part of the hits that no slot held any more).")
+        self.store_bytes = Gauge("specstand:prefix_store_bytes", "Bytes the prefix store holds.", labels, registry=r)
+        self.queue_time = Histogram("vllm:request_queue_time_seconds", "Seconds a request waited for a slot.",
+                                    labels, registry=r, buckets=(0.01, 0.05, 0.1, 0.5, 1, 2, 5, 10, 30, 60, 120))
+        self.engine_seconds = counter("specstand:engine_seconds", "The engine thread's seconds by phase: prompt "
+                                      "and decode/verify passes (a pass split by its rows), drafting, other "
+                                      "engine work, idle (waiting for requests).", ("phase",))
         self.requests = counter("specstand:requests", "Finished requests by outcome.", ("outcome",))
         self.tau = Gauge("specstand:tau", "Emitted tokens per target pass over all passes (cumulative).", labels,
                          registry=r)
@@ -40,6 +55,8 @@ class ServerMetrics:
                            labels, registry=r)
         self._model = model_name
         self._totals = DecodeStats()
+        for phase in PHASES:  # every phase shows, at 0 until it happens
+            self.engine_seconds.labels(model_name, phase)
 
     def record(self, stats: DecodeStats, outcome: str) -> None:
         m = self._model
@@ -52,10 +69,25 @@ class ServerMetrics:
         self.passes_without_draft.labels(m).inc(stats.target_passes - stats.passes_with_draft)
         self.emitted_tokens.labels(m).inc(stats.emitted_tokens)
         self.cached_prompt_tokens.labels(m).inc(stats.cached_prompt_tokens)
+        self.prompt_tokens.labels(m).inc(stats.prompt_tokens)
+        self.prefix_queries.labels(m).inc(stats.prompt_tokens)
+        self.prefix_hits.labels(m).inc(stats.cached_prompt_tokens)
+        self.store_hits.labels(m).inc(stats.stored_prompt_tokens)
+        self.queue_time.labels(m).observe(stats.queue_seconds)
         self.draft_seconds.labels(m).inc(stats.draft_seconds)
         self.requests.labels(m, outcome).inc()
         self._totals.merge(stats)
         self.tau.labels(m).set(self._totals.tau)
+
+    def add_engine_seconds(self, times: EngineTimes, idle: float) -> None:
+        """The engine's phases over some steps, and the time its thread waited for work."""
+        for phase in PHASES:
+            seconds = idle if phase == "idle" else getattr(times, phase)
+            if seconds > 0:
+                self.engine_seconds.labels(self._model, phase).inc(seconds)
+
+    def set_store_bytes(self, nbytes: int) -> None:
+        self.store_bytes.labels(self._model).set(nbytes)
 
     def set_exact(self, exact: bool) -> None:
         self.exact.labels(self._model).set(int(exact))

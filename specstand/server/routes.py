@@ -29,6 +29,7 @@ def add_health_routes(app: FastAPI, worker: EngineWorker) -> None:
 
     @app.get("/metrics")
     async def metrics() -> Response:
+        worker.account_idle()
         return Response(worker.metrics.render(), media_type="text/plain; version=0.0.4")
 
     @app.post("/reset_prefix_cache")

@@ -12,9 +12,9 @@ import logging
 import threading
 import time
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
-from specstand.engine import Engine, Request, StepEvent
+from specstand.engine import Engine, EngineTimes, Request, StepEvent
 from specstand.server.metrics import ServerMetrics
 
 logger = logging.getLogger(__name__)
@@ -48,6 +48,7 @@ class EngineWorker:
         self._thread = threading.Thread(target=self._run, name="specstand-engine", daemon=True)
         self._progress = time.monotonic()  # when the engine last finished a step or went idle
         self._crash = ""
+        self._idle_since: float | None = None  # when the engine thread began waiting for work (None: busy)
 
     def start(self) -> None:
         self._thread.start()
@@ -108,15 +109,29 @@ class EngineWorker:
             self._crash = f"{type(error).__name__}: {error}"
             raise
 
+    def account_idle(self) -> None:
+        """Count the engine thread's idle time up to now into the metrics (before they are read)."""
+        with self._cond:
+            if self._idle_since is not None:
+                now = time.perf_counter()
+                self.metrics.add_engine_seconds(EngineTimes(), now - self._idle_since)
+                self._idle_since = now
+
     def _loop(self) -> None:
         while True:
             with self._cond:
                 while not (self._stopped or self._inbox or self._cancelled or self._forget_requested
                            or self.engine.has_work):
                     self._progress = time.monotonic()
+                    if self._idle_since is None:
+                        self._idle_since = time.perf_counter()
                     self._cond.wait()
+                if self._idle_since is not None:
+                    self.metrics.add_engine_seconds(EngineTimes(), time.perf_counter() - self._idle_since)
+                    self._idle_since = None
                 if self._stopped:
                     return
+                before, started = replace(self.engine.times), time.perf_counter()
                 if self._forget_requested:
                     self.engine.forget_history()
                     self._forget_requested = False
@@ -129,6 +144,18 @@ class EngineWorker:
             self._progress = time.monotonic()
             for event in events:
                 self._deliver(event)
+            self._account_step(before, time.perf_counter() - started)
+
+    def _account_step(self, before: EngineTimes, seconds: float) -> None:
+        """A step's phases into the metrics; taking requests in and handing events out count as other engine
+        work, so the phases add up to the thread's time."""
+        times = self.engine.times
+        phases = EngineTimes(times.prompt - before.prompt, times.decode - before.decode, times.draft - before.draft)
+        phases.other = seconds - phases.accounted
+        with self._cond:
+            self.metrics.add_engine_seconds(phases, 0.0)
+            store = self.engine.prefix_cache.store
+            self.metrics.set_store_bytes(store.nbytes if store is not None else 0)
 
     def _take_inbox(self) -> None:
         while self._inbox:

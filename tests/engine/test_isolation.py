@@ -89,7 +89,7 @@ def test_a_prompt_fault_fails_its_request_and_forgets_the_slot_prompt():
     engine.runner.prefill = breaks_on_poison
     results = _run(engine, prompts)
     assert results[1].finish_reason == "error" and "injected prompt fault" in results[1].error
-    assert all(prompt[0] != POISON for prompt in engine._cached.values())
+    assert all(prompt[0] != POISON for prompt in engine.prefix_cache.heads())
     plain = Engine(model, None, EngineConfig(0, 256, 1))
     assert [r.output_ids for i, r in enumerate(results) if i != 1] == [
         plain.generate([Request(p, 24)])[0].output_ids for i, p in enumerate(prompts) if i != 1

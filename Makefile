@@ -24,7 +24,8 @@ test: lint
 DEMO := out/demo
 
 # The stand on the default model: two ComplexFuncBench agent turns, 1 and 4 users, plain decoding against
-# n-gram, suffix, schema and the shipped DFlash drafter, each with adaptive verification (the default). The turns are past those the shipped
+# n-gram, suffix, schema and the shipped DFlash drafter, each with adaptive verification (the default), warm
+# (system prompts and tools cached, as on a server that has served the agent) and cold. The turns are past those the shipped
 # drafters were trained on (training stopped at complexfuncbench-571; with this filter, turn 300 is
 # complexfuncbench-603).
 demo: install
@@ -33,7 +34,7 @@ demo: install
 	$(VENV)/bin/specstand workload import complexfuncbench --out $(DEMO)/workload.jsonl --skip 300 --limit 2 \
 		--max-prompt-chars 4000 --max-tokens 48
 	$(VENV)/bin/specstand bench --workload $(DEMO)/workload.jsonl --model $(MODEL) \
-		--method none,ngram,suffix,schema,dflash --users 1,4 --repeats 2 --out $(DEMO)
+		--method none,ngram,suffix,schema,dflash --users 1,4 --repeats 2 --warm system,none --out $(DEMO)
 
 # Trained drafters for $(MODEL), as shipped in drafters/: the target answers the first $(DRAFTER_CALLS) agent calls
 # (8 at a time, bf16 where the compiled kernels compute prompts too (amx, avx512bf16), else fp32: on CPUs

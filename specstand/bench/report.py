@@ -37,6 +37,7 @@ class RunResult:
     wall_s: float
     turns: list[TurnRecord]
     metrics_delta: dict[str, float] = field(default_factory=dict)
+    warm: str = "none"  # what the server held cached when the run began (bench.run.WARM_STATES)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -45,7 +46,29 @@ class RunResult:
     def from_dict(cls, data: dict) -> RunResult:
         turns = [TurnRecord(t["turn_id"], t["user"], t["start"], t["end"], [CallRecord(**c) for c in t["calls"]])
                  for t in data["turns"]]
-        return cls(data["target"], data["users"], data["repeat"], data["wall_s"], turns, data["metrics_delta"])
+        return cls(data["target"], data["users"], data["repeat"], data["wall_s"], turns, data["metrics_delta"],
+                   data.get("warm", "none"))
+
+
+# where a server's engine thread spent a run (specstand:engine_seconds by phase), in the order they are drawn
+PHASES = ("prompt", "decode", "draft", "other", "idle")
+
+
+def time_breakdown(m: dict[str, float]) -> dict:
+    """What a run's metrics say of where its time went: the engine's seconds by phase (specstand), prompt
+    tokens computed and reused (vLLM's prefix-cache counters, which specstand exports too), and the mean
+    time a call waited for a slot. Absent figures are None (a server that does not export them)."""
+    phases = {p: m.get(f"specstand:engine_seconds_total[phase={p}]") for p in PHASES}
+    prompt = m.get("vllm:prompt_tokens_total")
+    hits = m.get("vllm:prefix_cache_hits_total")
+    queued = m.get("vllm:request_queue_time_seconds_count")
+    return {
+        "engine_s": {p: v or 0.0 for p, v in phases.items()} if any(v is not None for v in phases.values()) else None,
+        "prompt_tokens_computed": prompt - hits if prompt is not None and hits is not None else None,
+        "prompt_tokens_reused": hits,
+        "prompt_tokens_from_store": m.get("specstand:prefix_store_hits_total"),
+        "queue_s_per_call": m["vllm:request_queue_time_seconds_sum"] / queued if queued else None,
+    }
 
 
 def json_is_broken(text: str, schema: dict | None) -> bool:
@@ -139,6 +162,7 @@ def run_summary(run: RunResult, calls: dict[tuple[str, str], Call], baseline_ans
         "identical": identical / len(compared) if compared else None,
         "failed_calls": len(records) - len(ok),
         "calls": len(records),
+        **time_breakdown(m),
     }
 
 
@@ -236,7 +260,39 @@ def render_markdown(summary: dict, targets: list[str], users: list[int], baselin
             _fmt_pct([v for u in users for v in _values(summary.get(t, {}).get(u, []), key)]) for t in targets) + " |")
     failed = [sum(s["failed_calls"] for u in users for s in summary.get(t, {}).get(u, [])) for t in targets]
     rows.append("| failed calls | " + " | ".join(str(f) for f in failed) + " |")
+    for u in users:
+        rows += _breakdown_rows(summary, targets, u)
     return header + "\n".join(rows) + "\n"
+
+
+def _breakdown_rows(summary: dict, targets: list[str], u: int) -> list[str]:
+    """Where a run's time went at U=u (medians over repeats): the engine's seconds by phase, prompt tokens
+    computed + reused, and the wait for a slot."""
+    def cells(value) -> str:
+        return " | ".join(value(summary.get(t, {}).get(u, [])) for t in targets)
+
+    def phases(runs: list[dict]) -> str:
+        found = [r["engine_s"] for r in runs if r.get("engine_s")]
+        if not found:
+            return "–"
+        return " / ".join(f"{statistics.median(f.get(p) or 0.0 for f in found):.1f}" for p in PHASES)
+
+    def tokens(runs: list[dict]) -> str:
+        computed = _values(runs, "prompt_tokens_computed")
+        reused = _values(runs, "prompt_tokens_reused")
+        if not computed:
+            return "–"
+        stored = _values(runs, "prompt_tokens_from_store")
+        store = f" ({statistics.median(stored):.0f} from the store)" if stored else ""
+        return f"{statistics.median(computed):.0f} + {statistics.median(reused):.0f}{store}"
+
+    def queue(runs: list[dict]) -> str:
+        waits = _values(runs, "queue_s_per_call")
+        return f"{statistics.median(waits):.2f}" if waits else "–"
+
+    return [f"| run seconds: {' / '.join(PHASES)}, U={u} | " + cells(phases) + " |",
+            f"| prompt tokens computed + reused, U={u} | " + cells(tokens) + " |",
+            f"| wait for a slot per call (s), U={u} | " + cells(queue) + " |"]
 
 
 def write_plots(summary: dict, targets: list[str], users: list[int], out_dir: Path) -> list[Path]:
@@ -245,6 +301,7 @@ def write_plots(summary: dict, targets: list[str], users: list[int], out_dir: Pa
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    out_dir.mkdir(parents=True, exist_ok=True)
     paths = []
     fig, ax = plt.subplots(figsize=(6, 4))
     for t in targets:
@@ -262,7 +319,32 @@ def write_plots(summary: dict, targets: list[str], users: list[int], out_dir: Pa
         ax.legend()
     paths.append(_save(fig, out_dir / "acceptance_per_position.png"))
     paths.append(_latency_plot(plt, summary, targets, users, out_dir))
-    return paths
+    breakdown = _breakdown_plot(plt, summary, targets, users, out_dir)
+    return paths + ([breakdown] if breakdown else [])
+
+
+def _breakdown_plot(plt, summary: dict, targets: list[str], users: list[int], out_dir: Path) -> Path | None:
+    """A stacked bar per target and U: the run's seconds by engine phase (median over repeats); None where
+    no target reported them."""
+    bars = []
+    for u in users:
+        for t in targets:
+            found = [r["engine_s"] for r in summary.get(t, {}).get(u, []) if r.get("engine_s")]
+            if found:
+                bars.append((f"{t}\nU={u}", [statistics.median(f.get(p) or 0.0 for f in found) for p in PHASES]))
+    if not bars:
+        return None
+    fig, ax = plt.subplots(figsize=(max(6, 0.9 * len(bars)), 4))
+    bottoms = [0.0] * len(bars)
+    for i, phase in enumerate(PHASES):
+        heights = [seconds[i] for _, seconds in bars]
+        ax.bar([label for label, _ in bars], heights, bottom=bottoms, label=phase)
+        bottoms = [b + h for b, h in zip(bottoms, heights, strict=True)]
+    ax.set_ylabel("seconds of the run")
+    ax.set_title("Where a run's time went (engine thread)")
+    ax.tick_params(axis="x", labelsize=7)
+    ax.legend(fontsize=7)
+    return _save(fig, out_dir / "time_breakdown.png")
 
 
 def _latency_plot(plt, summary: dict, targets: list[str], users: list[int], out_dir: Path) -> Path:
@@ -299,23 +381,43 @@ def _save(fig, path: Path) -> Path:
     return path
 
 
+# what each warm state means, as the report says it
+WARM_WORDS = {
+    "system": "each run began with the workload's shared heads (system prompt and tool definitions) cached, as on "
+              "a server that has served the same agent before; never the turns' own calls or answers",
+    "none": "each run began with nothing cached (cold): every tool definition is computed at a turn's first call",
+}
+
+
 def write_report(out_dir: Path, config: dict, runs: list[RunResult], turns: list[Turn], targets: list[str],
-                 users: list[int], baseline: str, k_by_target: dict, complete: bool) -> str:
-    """Write report.json, report.md and plots atomically; returns the markdown table."""
+                 users: list[int], baseline: str, k_by_target: dict, complete: bool,
+                 warm_states: tuple[str, ...] = ("none",)) -> str:
+    """Write report.json, report.md and plots atomically (a table and plots per warm state, the first one's
+    plots unsuffixed); returns the markdown tables."""
     out_dir.mkdir(parents=True, exist_ok=True)
-    summary = summarize(runs, turns, baseline)
-    table = render_markdown(summary, targets, users, baseline, k_by_target)
-    raw = {"config": config, "complete": complete, "summary": summary, "runs": [r.to_dict() for r in runs]}
+    summaries = {warm: summarize([r for r in runs if r.warm == warm], turns, baseline) for warm in warm_states}
+    sections = []
+    for warm, summary in summaries.items():
+        table = render_markdown(summary, targets, users, baseline, k_by_target)
+        heading = f"## Warm: {warm}\n\n{WARM_WORDS.get(warm, warm).capitalize()}.\n\n" if len(warm_states) > 1 else ""
+        sections.append(heading + table)
+    tables = "\n".join(sections)
+    raw = {"config": config, "complete": complete, "summary": summaries[warm_states[0]],
+           "summary_by_warm": summaries, "runs": [r.to_dict() for r in runs]}
     write_text_atomic(out_dir / "report.json", json.dumps(raw, indent=1))
     status = "" if complete else "\n**Partial report**: the run was interrupted or is still going.\n"
+    state = f"\nWarm state: {WARM_WORDS.get(warm_states[0], warm_states[0])}.\n" if len(warm_states) == 1 else ""
     md = (f"# specstand bench\n\nWorkload `{config.get('workload')}`, {len(turns)} turns, users {users}, "
           f"{config.get('repeats')} repeats (runs interleaved). Times are medians over repeats with "
-          f"[min–max]; ≈ marks a difference inside the spread.\n{_machine_line(config.get('machine'))}"
-          f"{_reset_line(config.get('prefix_cache_reset_per_run'))}{status}\n{table}")
+          f"[min–max]; ≈ marks a difference inside the spread. Run seconds by phase are the engine thread's "
+          f"(specstand servers): prompt and decode/verify passes, drafting, other engine work, idle.\n"
+          f"{_machine_line(config.get('machine'))}{_reset_line(config.get('prefix_cache_reset_per_run'))}"
+          f"{state}{status}\n{tables}")
     write_text_atomic(out_dir / "report.md", md)
-    if runs:
-        write_plots(summary, targets, users, out_dir)
-    return table
+    for index, (warm, summary) in enumerate(summaries.items()):
+        if any(r.warm == warm for r in runs):
+            write_plots(summary, targets, users, out_dir if index == 0 else out_dir / f"warm_{warm}")
+    return tables
 
 
 def _reset_line(resets: dict[str, bool] | None) -> str:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import signal
@@ -19,16 +20,20 @@ from tqdm import tqdm
 from specstand import kernels
 from specstand.bench.endpoints import OpenAIEndpoint
 from specstand.bench.replay import assign_turns, replay
-from specstand.bench.report import RunResult, write_report
+from specstand.bench.report import WARM_WORDS, RunResult, write_report
 from specstand.drafters.trained import BLOCK_METHODS, read_spec, shipped_drafter
 from specstand.models.chat import render_chat
 from specstand.models.loading import resolve_model_path
-from specstand.workloads import Turn
+from specstand.workloads import Call, Turn
 
 SERVER_START_TIMEOUT_S = 600
 
 
+# What a run may find cached when it begins: "system", the workload's shared heads (a server that has served
+# the same agent before: an agent's every call repeats its system prompt and tools), or "none" (cold).
+WARM_STATES = ("system", "none")
 FIXED = "@fixed"  # a bench method name's suffix: serve that method at fixed K (adaptive verification is the default)
+GAUGES = ("specstand:prefix_store_bytes", "specstand:tau", "specstand:requests_waiting", "specstand:exact")
 
 
 def bench_method(name: str) -> str:
@@ -44,6 +49,12 @@ class Target:
     k: int | None = None
     process: subprocess.Popen | None = None
     log: Path | None = None
+
+
+def _run_delta(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
+    """Counters as the run's increase; gauges (profiled pass costs, the store's size) as they stand after it."""
+    return {key: after[key] if "_profiled" in key or key.startswith(GAUGES) else after[key] - before.get(key, 0.0)
+            for key in after}
 
 
 def server_gone(target: Target) -> str | None:
@@ -64,6 +75,7 @@ class BenchConfig:
     baseline: str
     extra: dict = field(default_factory=dict)
     api_key: str | None = None  # sent to every target (never written to the report)
+    warm: tuple[str, ...] = ("system",)  # the states runs begin in (WARM_STATES), each a table of its own
 
 
 def first_call(turn: Turn) -> Turn:
@@ -71,6 +83,33 @@ def first_call(turn: Turn) -> Turn:
     decode passes, the drafter's first request); the rest of the turn would only add minutes to a slow CPU's
     bench (on the avx2 demo a whole turn took about 8 s a target)."""
     return Turn(turn.turn_id, [replace(turn.calls[0], depends_on=[], delay_ms=0.0)], turn.source)
+
+
+def shared_heads(turns: list[Turn]) -> list[Call]:
+    """One call per distinct head the workload's chat calls begin with (their leading system messages and
+    the tools they offer), asking for one token after a one-word user message: replayed before a run, they
+    leave a server with what it would hold after serving the same agent, and nothing of the turns' own
+    messages or answers. Raw-prompt calls have no such head."""
+    heads: dict[str, Call] = {}
+    for call in (c for turn in turns for c in turn.calls if c.messages is not None):
+        system = []
+        for message in call.messages:
+            if message.get("role") != "system":
+                break
+            system.append(message)
+        if not system and not call.tools:
+            continue
+        key = json.dumps([system, call.tools], sort_keys=True)
+        if key not in heads:
+            heads[key] = Call(f"warm-{len(heads)}", [*system, {"role": "user", "content": "Hi"}], max_tokens=1,
+                              tools=call.tools)
+    return list(heads.values())
+
+
+async def warm_up(endpoint: OpenAIEndpoint, heads: list[Call]) -> None:
+    """Leave the workload's shared heads in `endpoint`'s cache (see shared_heads)."""
+    for call in heads:
+        await endpoint.complete(call)
 
 
 def _free_port() -> int:
@@ -139,7 +178,10 @@ def wait_ready(target: Target) -> None:
             tail = target.log.read_text().strip().splitlines()[-1:] if target.log else []
             raise RuntimeError(f"server for {target.name} exited: {tail[0] if tail else 'no output'}")
         try:
-            if httpx.get(f"{target.url}/health", timeout=2).status_code == 200:
+            status = httpx.get(f"{target.url}/health", timeout=2).status_code
+            if status == 404:  # a server without the route (llama-cpp-python's): ready once it lists models
+                status = httpx.get(f"{target.url}/v1/models", timeout=2).status_code
+            if status == 200:
                 return
         except httpx.HTTPError:
             pass
@@ -170,10 +212,13 @@ async def run_bench(targets: list[Target], turns: list[Turn], config: BenchConfi
 
     def report(complete: bool) -> str:
         return write_report(config.out_dir, report_config, runs, turns, names, config.users, config.baseline,
-                            k_by_target, complete)
+                            k_by_target, complete, config.warm)
 
+    heads = shared_heads(turns)
+    report_config["warm"] = {warm: WARM_WORDS[warm] for warm in config.warm}
+    report_config["shared_heads"] = len(heads)
     per_run = {u: sum(len(own) for own in assign_turns(turns, u)) for u in config.users}
-    total = config.repeats * len(targets) * sum(per_run.values())
+    total = config.repeats * len(targets) * len(config.warm) * sum(per_run.values())
     try:
         for endpoint in endpoints.values():  # warm-up, not recorded: first-call costs stay out of the figures
             await replay([first_call(turns[0])], endpoint, 1)
@@ -183,27 +228,25 @@ async def run_bench(targets: list[Target], turns: list[Turn], config: BenchConfi
         resets = {name: await endpoint.reset_prefix_cache() for name, endpoint in endpoints.items()}
         report_config["prefix_cache_reset_per_run"] = resets
         with tqdm(total=total, unit="turn", desc="bench", file=sys.stderr) as bar:
-            for repeat in range(config.repeats):
-                for users in config.users:
-                    for target in targets:  # interleaved, so drift hits every target alike
-                        name = target.name
-                        bar.set_postfix_str(f"{name} U={users} repeat {repeat + 1}")
-                        gone = server_gone(target)
-                        if gone is not None and name not in told:
-                            told.add(name)
-                            tqdm.write(f"bench: {gone}", file=sys.stderr)
-                        endpoint = endpoints[name]
-                        if resets[name]:
-                            await endpoint.reset_prefix_cache()
-                        before = await endpoint.scrape_metrics()
-                        records, wall = await replay(turns, endpoint, users, on_turn=lambda _: bar.update())
-                        await endpoint.wait_idle()  # the fillers' cancelled calls
-                        after = await endpoint.scrape_metrics()
-                        # counters as the run's increase; profiled figures (gauges) as they stand
-                        delta = {key: after[key] if "_profiled" in key else after[key] - before.get(key, 0.0)
-                                 for key in after}
-                        runs.append(RunResult(name, users, repeat, wall, records, delta))
-                        report(complete=False)
+            for repeat, warm, users in itertools.product(range(config.repeats), config.warm, config.users):
+                for target in targets:  # interleaved, so drift hits every target alike
+                    name = target.name
+                    bar.set_postfix_str(f"{name} U={users} warm {warm} repeat {repeat + 1}")
+                    gone = server_gone(target)
+                    if gone is not None and name not in told:
+                        told.add(name)
+                        tqdm.write(f"bench: {gone}", file=sys.stderr)
+                    endpoint = endpoints[name]
+                    if resets[name]:
+                        await endpoint.reset_prefix_cache()
+                    if warm == "system":
+                        await warm_up(endpoint, heads)
+                    before = await endpoint.scrape_metrics()
+                    records, wall = await replay(turns, endpoint, users, on_turn=lambda _: bar.update())
+                    await endpoint.wait_idle()  # the fillers' cancelled calls
+                    after = await endpoint.scrape_metrics()
+                    runs.append(RunResult(name, users, repeat, wall, records, _run_delta(before, after), warm))
+                    report(complete=False)
         machine["read_gbs_end"] = round(kernels.read_bandwidth_gbs(), 1)
         return report(complete=True)
     finally:

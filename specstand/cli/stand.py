@@ -59,6 +59,11 @@ def add_parsers(commands: argparse._SubParsersAction) -> None:
     bench.add_argument("--max-batch", type=int, default=8, help="requests each specstand server decodes together")
     bench.add_argument("--users", default="1,4", help="comma-separated concurrent user counts")
     bench.add_argument("--repeats", type=int, default=3, help="runs of every target at every user count")
+    bench.add_argument("--warm", default="system",
+                       help="what each run finds cached, comma-separated for several tables: system (the "
+                            "workload's system prompts and tool definitions, as on a server that has served "
+                            "the same agent: an agent repeats them in every call) or none (cold, every head "
+                            "computed in the run; a first call of the day). Default: system")
     bench.add_argument("--limit-turns", type=int, default=None, help="replay only the workload's first N turns")
     bench.add_argument("--baseline", default=None, help="target the others are compared with (default: first)")
     bench.add_argument("--drafter", action="append", type=Path, default=[],
@@ -129,6 +134,7 @@ def cmd_bench(args: argparse.Namespace) -> None:
 
     from specstand.bench.run import (
         FIXED,
+        WARM_STATES,
         BenchConfig,
         Target,
         bench_method,
@@ -141,6 +147,9 @@ def cmd_bench(args: argparse.Namespace) -> None:
     from specstand.workloads import load_workload
 
     users = _parse_users(args.users)
+    warm = tuple(dict.fromkeys(w.strip() for w in args.warm.split(",") if w.strip()))
+    if not warm or any(w not in WARM_STATES for w in warm):
+        raise CliError(f"--warm takes {' or '.join(WARM_STATES)} (comma-separated), not {args.warm!r}")
     if args.repeats < 1:
         raise CliError("--repeats must be >= 1")
     turns = load_workload(args.workload)[: args.limit_turns]
@@ -188,7 +197,7 @@ def cmd_bench(args: argparse.Namespace) -> None:
             raise CliError(f"--baseline {baseline!r} is not one of the targets")
         config = BenchConfig(str(args.workload), users, args.repeats, args.out, baseline,
                              {"model": args.model, "dtype": args.dtype, "max_batch": args.max_batch,
-                              "max_seq_len": args.max_seq_len}, api_key=args.api_key)
+                              "max_seq_len": args.max_seq_len}, api_key=args.api_key, warm=warm)
         try:
             table = asyncio.run(run_bench(targets, turns, config))
         except KeyboardInterrupt:

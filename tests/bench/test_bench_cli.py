@@ -11,25 +11,39 @@ from specstand.bench.run import Target, first_call, server_gone, workload_contex
 from specstand.cli import main
 from specstand.workloads import Call, Turn, save_workload
 
+SYSTEM = {"role": "system", "content": " ".join(f"w{10 + i % 50}" for i in range(60))}  # an agent's instructions
+
 
 def test_bench_runs_methods_side_by_side(tmp_path, tiny_model_dir, capsys):
     turns = [Turn(f"t{i}", [
-        Call(id="a", messages=[{"role": "user", "content": f"w{3 + i} w4 w5 w3 w4 w5"}], max_tokens=12,
+        Call(id="a", messages=[SYSTEM, {"role": "user", "content": f"w{3 + i} w4 w5 w3 w4 w5"}], max_tokens=12,
              expect_json=True),
-        Call(id="b", messages=[{"role": "user", "content": "w7 w8 w7 w8"}], depends_on=["a"], delay_ms=20,
+        Call(id="b", messages=[SYSTEM, {"role": "user", "content": "w7 w8 w7 w8"}], depends_on=["a"], delay_ms=20,
              max_tokens=12),
     ]) for i in range(2)]
     workload = tmp_path / "w.jsonl"
     save_workload(turns, workload)
     out = tmp_path / "report"
     code = main(["bench", "--workload", str(workload), "--model", str(tiny_model_dir), "--method", "none,ngram",
-                 "--method", "suffix@fixed", "--users", "1,2", "--repeats", "1", "--out", str(out)])
+                 "--method", "suffix@fixed", "--users", "1,2", "--repeats", "1", "--warm", "system,none",
+                 "--out", str(out)])
     printed = capsys.readouterr().out
     assert code == 0
     assert "| turn p50, U=2 (s) |" in printed and "| identical to none | 100.0% | 100.0% | 100.0% |" in printed
     assert "suffix@fixed" in printed
+    assert "## Warm: system" in printed and "## Warm: none" in printed
+    assert "| run seconds: prompt / decode / draft / other / idle, U=1 |" in printed
     raw = json.loads((out / "report.json").read_text())
-    assert raw["complete"] and len(raw["runs"]) == 3 * 2
+    assert raw["complete"] and len(raw["runs"]) == 3 * 2 * 2
+    assert raw["config"]["shared_heads"] == 1
+    # warm: the system prompt was cached before the run, so more of each prompt is reused than cold
+    by_warm = raw["summary_by_warm"]
+    for target in ("none", "ngram"):
+        warm, cold = by_warm["system"][target]["1"][0], by_warm["none"][target]["1"][0]
+        assert warm["prompt_tokens_reused"] > cold["prompt_tokens_reused"]
+        assert warm["prompt_tokens_computed"] < cold["prompt_tokens_computed"]
+        assert all(warm["engine_s"][phase] >= 0 for phase in ("prompt", "decode", "draft", "other", "idle"))
+    assert (out / "time_breakdown.png").exists() and (out / "warm_none" / "time_breakdown.png").exists()
     assert raw["config"]["max_seq_len"] == 256  # sized from the workload: short prompts, 12-token answers
     machine = raw["config"]["machine"]  # the figures' machine, bandwidth measured beside the run
     assert machine["kernel_path"] in ("python", "scalar", "avx2", "avx512bf16", "amx") and machine["cpus"] >= 1

@@ -63,6 +63,7 @@ def main() -> None:
     seconds: dict[str, list[float]] = defaultdict(list)
     tokens: dict[str, int] = defaultdict(int)
     passes: dict[str, int] = defaultdict(int)
+    drafted: dict[str, int] = defaultdict(int)  # passes that verified a draft (adaptive verification's probes too)
     answers: dict[str, list[list[int]]] = defaultdict(list)
     for round_ in range(args.rounds):
         order = list(engines) if round_ % 2 == 0 else list(engines)[::-1]
@@ -76,6 +77,7 @@ def main() -> None:
                 totals[method] += time.perf_counter() - started
                 tokens[method] += sum(len(r.output_ids) for r in results)
                 passes[method] += sum(r.stats.target_passes for r in results)
+                drafted[method] += sum(r.stats.passes_with_draft for r in results)
                 if round_ == 0:
                     answers[method] += [r.output_ids for r in results]
         for method, total in totals.items():
@@ -84,13 +86,14 @@ def main() -> None:
     say(f"read bandwidth: {min(bandwidth):.1f}-{max(bandwidth):.1f} GB/s")
     say()
     base = next(iter(engines))
-    say(f"method | seconds per round | speedup over {base} per round (median) | tau | answers identical")
+    say(f"method | seconds per round | speedup over {base} per round (median) | tau | drafted passes | "
+        "answers identical")
     for method in engines:
         ratios = [b / s for b, s in zip(seconds[base], seconds[method], strict=True)]
         same = sum(a == b for a, b in zip(answers[method], answers[base], strict=True)) / len(answers[base])
         say(f"{method} | {' '.join(f'{s:.2f}' for s in seconds[method])} | "
             f"{' '.join(f'x{r:.3f}' for r in ratios)} (x{statistics.median(ratios):.3f}) | "
-            f"{tokens[method] / passes[method]:.2f} | {same:.0%}")
+            f"{tokens[method] / passes[method]:.2f} | {drafted[method] / passes[method]:.0%} | {same:.0%}")
     say.write(args.out)
 
 

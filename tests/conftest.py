@@ -26,6 +26,7 @@ from transformers import (
 )
 
 from specstand import kernels
+from specstand.drafters import REGISTRY
 from specstand.engine.adaptive import PassCost
 from specstand.models import load_model
 from specstand.runner.compiled import attach_compiled
@@ -36,6 +37,9 @@ from specstand.training.data import generate_rows, save_rows
 from specstand.training.trainer import train
 from specstand.verification import SamplingParams
 from specstand.workloads import Call, Turn
+
+# the methods that draft without training or the target's tokenizer (ngram, suffix)
+TRAINING_FREE = [name for name, spec in REGISTRY.items() if spec.make is not None and not spec.needs]
 
 VOCAB = 96
 COMMON = dict(

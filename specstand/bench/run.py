@@ -21,7 +21,8 @@ from specstand import kernels
 from specstand.bench.endpoints import OpenAIEndpoint
 from specstand.bench.replay import assign_turns, replay
 from specstand.bench.report import WARM_WORDS, RunResult, write_report
-from specstand.drafters.trained import BLOCK_METHODS, read_spec, shipped_drafter
+from specstand.drafters.registry import is_block_method
+from specstand.drafters.trained import read_spec, shipped_drafter
 from specstand.models.chat import render_chat
 from specstand.models.loading import resolve_model_path
 from specstand.workloads import Call, Turn
@@ -166,7 +167,7 @@ def workload_context(turns: list[Turn], model: str, k: int) -> int:
 
 def _default_k(method: str, model: str, drafter: Path | None) -> int:
     folder = drafter or shipped_drafter(model, method)
-    if folder is not None and method in BLOCK_METHODS:
+    if folder is not None and is_block_method(method):
         return read_spec(folder).block_drafts
     return 5
 

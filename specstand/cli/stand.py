@@ -10,7 +10,7 @@ from pathlib import Path
 
 from specstand.cli.common import API_KEY_ENV, AUTO_DTYPE_HELP, DTYPE_CHOICES, CliError, CliParser, log
 from specstand.cli.target import apply_speculative_config
-from specstand.drafters import METHODS
+from specstand.drafters import method_names
 
 
 def add_parsers(commands: argparse._SubParsersAction) -> None:
@@ -160,8 +160,8 @@ def cmd_bench(args: argparse.Namespace) -> None:
     if configured and not args.model:
         raise CliError("--speculative-config needs --model")
     for method in methods:
-        if method.removesuffix(FIXED) not in METHODS or method == f"none{FIXED}":
-            raise CliError(f"unknown method {method!r} (choose from {', '.join(METHODS)}, each drafted one "
+        if method.removesuffix(FIXED) not in method_names() or method == f"none{FIXED}":
+            raise CliError(f"unknown method {method!r} (choose from {', '.join(method_names())}, each drafted one "
                            f"optionally with {FIXED})")
     if methods and not args.model:
         raise CliError("--method needs --model")

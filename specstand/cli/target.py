@@ -7,12 +7,8 @@ import json
 from pathlib import Path
 
 from specstand.cli.common import AUTO_DTYPE_HELP, DTYPE_CHOICES, CliError
-from specstand.drafters import METHODS, trained_drafter_path
-from specstand.drafters.trained import TRAINED
-
-# vLLM's speculative methods -> ours
-VLLM_METHODS = {"ngram": "ngram", "suffix": "suffix", "eagle3": "eagle3", "dflash": "dflash", "mtp": "mtp",
-                "deepseek_mtp": "mtp", "dspark": "dspark", "dflash2": "dflash2", "schema": "schema"}
+from specstand.drafters import method_names, trained_drafter_path
+from specstand.drafters.registry import method_help, trained_methods, vllm_methods
 
 
 def parse_dtype(text: str) -> str:
@@ -27,7 +23,7 @@ def parse_dtype(text: str) -> str:
 def add_target_args(parser: argparse.ArgumentParser, vllm_spellings: bool = False) -> None:
     """The target's flags; with `vllm_spellings` (serve) vLLM's names and dtype spellings are taken too."""
     parser.add_argument("--model", default="smollm2-135m", help="preset name, model folder or hub id")
-    parser.add_argument("--method", default="none", help=f"one of {', '.join(METHODS)}")
+    parser.add_argument("--method", default="none", help=f"none (plain decoding) or {method_help()}")
     parser.add_argument("--k", type=int, default=None,
                         help="most draft tokens verified per pass (default 5; DFlash: block size - 1)")
     parser.add_argument("--drafter", type=Path, default=None, help="trained drafter folder (default: shipped one)")
@@ -64,10 +60,10 @@ def apply_speculative_config(args: argparse.Namespace) -> None:
     unknown = sorted(set(config) - known)
     if unknown:
         raise CliError(f"--speculative-config: {', '.join(unknown)} not supported (known: {', '.join(sorted(known))})")
-    method = config.get("method")
-    if method not in VLLM_METHODS:
-        raise CliError(f"--speculative-config: method {method!r} is not one of {', '.join(VLLM_METHODS)}")
-    args.method = VLLM_METHODS[method]
+    method, known_methods = config.get("method"), vllm_methods()
+    if method not in known_methods:
+        raise CliError(f"--speculative-config: method {method!r} is not one of {', '.join(known_methods)}")
+    args.method = known_methods[method]
     k = config.get("num_speculative_tokens")
     if k is not None and (not isinstance(k, int) or isinstance(k, bool)):
         raise CliError("--speculative-config: num_speculative_tokens must be an integer")
@@ -92,11 +88,11 @@ def apply_speculative_config(args: argparse.Namespace) -> None:
 
 def check_target_args(args: argparse.Namespace) -> None:
     apply_speculative_config(args)
-    if args.method not in METHODS:
-        raise CliError(f"unknown method {args.method!r} (choose from {', '.join(METHODS)})")
+    if args.method not in method_names():
+        raise CliError(f"unknown method {args.method!r} (choose from {', '.join(method_names())})")
     if args.k is not None and args.k < 0:
         raise CliError("--k must be >= 0")
     if args.drafter is not None and not args.drafter.is_dir():
         raise CliError(f"--drafter {args.drafter} is not a folder")
-    if args.method in TRAINED:
+    if args.method in trained_methods():
         trained_drafter_path(args.method, args.model, args.drafter)  # said before the model loads

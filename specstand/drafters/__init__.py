@@ -9,52 +9,38 @@ dflash2.py (convolutions + candidate selector); trained.py loads them.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from pathlib import Path
 
-from specstand.drafters.base import Draft, Drafter, HiddenRows, SequenceView
-from specstand.drafters.ngram import NgramConfig, NgramDrafter
-from specstand.drafters.schema import HFTextCodec, SchemaConfig, SchemaDrafter, TextCodec
-from specstand.drafters.suffix import SuffixConfig, SuffixDrafter
-from specstand.drafters.trained import TRAINED, DrafterLoadError, load_drafter, read_spec, shipped_drafter
+from specstand.drafters.base import Draft, Drafter, DraftingContext, HiddenRows, MethodSpec, SequenceView
+from specstand.drafters.ngram import NgramConfig
+from specstand.drafters.registry import REGISTRY, method_names, register
+from specstand.drafters.schema import HFTextCodec, SchemaConfig, TextCodec
+from specstand.drafters.suffix import SuffixConfig
+from specstand.drafters.trained import DrafterLoadError, load_drafter, read_spec, shipped_drafter
 from specstand.runner.transformer import DecoderModel
-
-# method name -> factory; `none` means no drafter
-DRAFTERS: dict[str, Callable[[], Drafter]] = {
-    "ngram": NgramDrafter,
-    "suffix": SuffixDrafter,
-}
-# training-free methods that read the target's tokenizer: method name -> factory of a TextCodec
-TOKENIZER_DRAFTERS: dict[str, Callable[[TextCodec], Drafter]] = {
-    "schema": SchemaDrafter,
-}
-METHODS = ("none", *DRAFTERS, *TOKENIZER_DRAFTERS, *TRAINED)
 
 
 def make_drafter(method: str, target: DecoderModel | None = None, target_name: str = "",
                  drafter_path: Path | None = None, ngram: NgramConfig | None = None,
                  tokenizer: object | None = None) -> Drafter | None:
-    """The drafter of `method`. Trained methods load `drafter_path`, or the drafter shipped for the preset
-    `target_name`, around the target's embedding and head; `ngram` sets the n-gram drafter's sizes;
-    `tokenizer` (the target's transformers tokenizer) is what schema drafting writes with."""
+    """The drafter of `method` (None for "none"). Trained methods load `drafter_path`, or the drafter shipped
+    for the preset `target_name`, around the target's embedding and head; `ngram` sets the n-gram drafter's
+    sizes; `tokenizer` (the target's transformers tokenizer) is what schema drafting writes with."""
     if method == "none":
         return None
-    if method == "ngram":
-        return NgramDrafter(ngram)
-    if method in TOKENIZER_DRAFTERS:
-        if tokenizer is None:
-            raise ValueError(f"method {method} needs the target's tokenizer")
-        return TOKENIZER_DRAFTERS[method](HFTextCodec(tokenizer))
-    if method in DRAFTERS:
-        return DRAFTERS[method]()
-    if method not in TRAINED:
-        raise ValueError(f"unknown method {method!r} (choose from {', '.join(METHODS)})")
+    spec = REGISTRY.get(method)
+    if spec is None:
+        raise ValueError(f"unknown method {method!r} (choose from {', '.join(method_names())})")
+    if "tokenizer" in spec.needs and tokenizer is None:
+        raise ValueError(f"method {method} needs the target's tokenizer")
+    if spec.make is not None:
+        return spec.make(DraftingContext(tokenizer, ngram))
     path = trained_drafter_path(method, target_name, drafter_path)
     if target is None:
         raise ValueError("a trained drafter needs its target model")
-    spec = read_spec(path)
-    if spec.method != method:
-        raise DrafterLoadError(f"drafter {path} is a {spec.method} drafter, not {method}")
+    found = read_spec(path)
+    if found.method != method:
+        raise DrafterLoadError(f"drafter {path} is a {found.method} drafter, not {method}")
     return load_drafter(path, target.weights.embed_tokens, target.weights.lm_head)
 
 
@@ -69,12 +55,12 @@ def trained_drafter_path(method: str, target_name: str, drafter_path: Path | Non
 
 
 def default_k(drafter: Drafter | None, k: int | None) -> int:
-    """K when the user gives none: a block drafter's drafts per block, else 5."""
+    """K when the user gives none: the drafter's own default (a block drafter's drafts per block, else 5)."""
     if k is not None:
         return k
-    return getattr(getattr(drafter, "model", None), "num_drafts", 5)
+    return drafter.default_k if drafter is not None else 5
 
 
-__all__ = ["DRAFTERS", "METHODS", "TOKENIZER_DRAFTERS", "Draft", "Drafter", "DrafterLoadError", "HFTextCodec",
-           "HiddenRows", "NgramConfig", "SchemaConfig", "SequenceView", "SuffixConfig", "TextCodec", "default_k",
-           "make_drafter", "trained_drafter_path"]
+__all__ = ["REGISTRY", "Draft", "Drafter", "DrafterLoadError", "DraftingContext", "HFTextCodec", "HiddenRows",
+           "MethodSpec", "NgramConfig", "SchemaConfig", "SequenceView", "SuffixConfig", "TextCodec", "default_k",
+           "make_drafter", "method_names", "register", "trained_drafter_path"]

@@ -10,6 +10,7 @@ finishes. Drafters never call back into the engine.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -82,6 +83,11 @@ class Drafter(ABC):
     # costs the same at any depth, so cutting the draft before it is priced would only lose tokens.
     cost_grows_with_depth: bool = False
 
+    @property
+    def default_k(self) -> int:
+        """K when the user gives none: the draft tokens one pass verifies."""
+        return 5
+
     def begin(self, seq: SequenceView) -> None:  # noqa: B027 - optional hook
         """A request was admitted."""
 
@@ -108,3 +114,36 @@ class Drafter(ABC):
     def forget(self) -> None:  # noqa: B027 - optional hook
         """Drop what was learned from finished requests (earlier answers), as if none had been served: the
         stand starts every measured run from the same state."""
+
+
+@dataclass(frozen=True)
+class DraftingContext:
+    """What a training-free method's factory may use: the target's tokenizer (transformers), n-gram sizes."""
+
+    tokenizer: object | None = None
+    ngram: object | None = None  # ngram.NgramConfig
+
+
+@dataclass(frozen=True)
+class TrainedParts:
+    """How a trained method is built: the target layers it taps by default (for a target of L layers; block
+    methods also take how many), its model from a spec (drafters/nn.py DrafterSpec), the target's parts and
+    the draft-to-target vocabulary map, and the inference Drafter around that model."""
+
+    tap_layers: Callable[..., list[int]]
+    build: Callable
+    wrap: Callable
+
+
+@dataclass(frozen=True)
+class MethodSpec:
+    """One drafting method, declared in its own module and listed once in registry.py: everything the CLI,
+    the server, the stand, training and export need to know of it."""
+
+    name: str
+    summary: str  # what drafts, in a few words (CLI help)
+    make: Callable[[DraftingContext], Drafter] | None = None  # training-free methods
+    trained: TrainedParts | None = None  # trained methods (loaded from a drafter folder)
+    block: bool = False  # one drafter pass per block of drafts (its folder's block size sets K)
+    vllm_names: tuple[str, ...] = ()  # vLLM's --speculative-config method names that mean it
+    needs: tuple[str, ...] = ()  # what it reads of the target: "tokenizer", "hidden states"

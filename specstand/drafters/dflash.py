@@ -21,7 +21,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from specstand.drafters.base import Draft, Drafter, HiddenRows, SequenceView, join_rows
+from specstand.drafters.base import Draft, Drafter, HiddenRows, MethodSpec, SequenceView, TrainedParts, join_rows
 from specstand.drafters.nn import DecoderLayer, DrafterSpec, RMSNorm, append_keys_values, document_bias, draw_drafts
 from specstand.drafters.target_parts import TargetParts
 
@@ -133,6 +133,10 @@ class DFlashDrafter(Drafter):
         self._pending: dict[int, list[HiddenRows]] = {}
         self._generators: dict[int, torch.Generator] = {}
 
+    @property
+    def default_k(self) -> int:
+        return self.model.num_drafts  # a block's drafts: the block size - 1
+
     def begin(self, seq: SequenceView) -> None:
         self._context[seq.request_id] = []
         self._pending[seq.request_id] = []
@@ -208,3 +212,14 @@ class DFlashDrafter(Drafter):
         self._pending.pop(seq.request_id, None)
         self._generators.pop(seq.request_id, None)
 
+
+def dflash_tap_layers(num_layers: int, count: int = 5) -> list[int]:
+    """`count` layer outputs spread from layer 1 to layer L-3 (z-lab's spacing), in HF numbering."""
+    last = max(num_layers - 3, 1)
+    ids = {round(1 + i * (last - 1) / max(count - 1, 1)) for i in range(count)}
+    return sorted(i + 1 for i in ids)
+
+
+METHOD = MethodSpec("dflash", "DFlash: a block of drafts in one pass",
+                    trained=TrainedParts(dflash_tap_layers, DFlashModel, DFlashDrafter), block=True,
+                    vllm_names=("dflash",), needs=("hidden states",))

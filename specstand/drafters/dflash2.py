@@ -23,8 +23,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from specstand.drafters.base import Draft
-from specstand.drafters.dflash import DFlashModel
+from specstand.drafters.base import Draft, MethodSpec, TrainedParts
+from specstand.drafters.dflash import DFlashDrafter, DFlashModel, dflash_tap_layers
 from specstand.drafters.dspark import draft_rows_of
 from specstand.drafters.nn import DrafterSpec, draw_drafts
 from specstand.drafters.target_parts import TargetParts
@@ -118,3 +118,8 @@ class DFlash2Model(DFlashModel):
             top2 = edges.topk(2).values
             confidence.append(float(top2[0] - top2[1]))
         return Draft(tokens, torch.stack(probs) if probs else None, confidence)
+
+
+METHOD = MethodSpec("dflash2", "DFlash with convolutions, top-16 candidates and a path ranker",
+                    trained=TrainedParts(dflash_tap_layers, DFlash2Model, DFlashDrafter), block=True,
+                    vllm_names=("dflash2",), needs=("hidden states",))

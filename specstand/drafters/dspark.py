@@ -19,8 +19,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from specstand.drafters.base import Draft
-from specstand.drafters.dflash import DFlashModel
+from specstand.drafters.base import Draft, MethodSpec, TrainedParts
+from specstand.drafters.dflash import DFlashDrafter, DFlashModel, dflash_tap_layers
 from specstand.drafters.nn import DrafterSpec, draw_drafts
 from specstand.drafters.target_parts import TargetParts
 
@@ -102,3 +102,8 @@ class DSparkModel(DFlashModel):
             confidence.append(float(head))
         return Draft(tokens, torch.stack(probs) if probs else None, confidence,
                      calibrated=self.confidence_head is not None)
+
+
+METHOD = MethodSpec("dspark", "DFlash with a Markov head and a confidence head",
+                    trained=TrainedParts(dflash_tap_layers, DSparkModel, DFlashDrafter), block=True,
+                    vllm_names=("dspark",), needs=("hidden states",))

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import torch
 
+from specstand.drafters.base import MethodSpec, TrainedParts
 from specstand.drafters.chain import ChainDrafter, ChainModel
 from specstand.drafters.nn import DrafterSpec
 from specstand.drafters.target_parts import TargetParts
@@ -23,3 +24,8 @@ def build_eagle3(spec: DrafterSpec, target: TargetParts, draft_to_target: torch.
 
 def eagle3_drafter(model: ChainModel) -> ChainDrafter:
     return ChainDrafter(model, "eagle3")
+
+
+METHOD = MethodSpec("eagle3", "EAGLE-3: one layer on three target layers' states",
+                    trained=TrainedParts(eagle3_tap_layers, build_eagle3, eagle3_drafter), vllm_names=("eagle3",),
+                    needs=("hidden states",))

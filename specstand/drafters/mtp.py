@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import torch
 
+from specstand.drafters.base import MethodSpec, TrainedParts
 from specstand.drafters.chain import ChainDrafter, ChainModel
 from specstand.drafters.nn import DrafterSpec
 from specstand.drafters.target_parts import TargetParts
@@ -21,3 +22,8 @@ def build_mtp(spec: DrafterSpec, target: TargetParts, draft_to_target: torch.Ten
 
 def mtp_drafter(model: ChainModel) -> ChainDrafter:
     return ChainDrafter(model, "mtp")
+
+
+METHOD = MethodSpec("mtp", "one chain layer on the target's last hidden state",
+                    trained=TrainedParts(mtp_tap_layers, build_mtp, mtp_drafter), vllm_names=("mtp", "deepseek_mtp"),
+                    needs=("hidden states",))

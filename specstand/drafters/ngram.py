@@ -7,7 +7,7 @@ from dataclasses import dataclass
 import numpy as np
 from numpy.lib.stride_tricks import sliding_window_view
 
-from specstand.drafters.base import Draft, Drafter, SequenceView
+from specstand.drafters.base import Draft, Drafter, MethodSpec, SequenceView
 
 
 @dataclass(frozen=True)
@@ -41,3 +41,6 @@ class NgramDrafter(Drafter):
                 tokens = context[start : start + max_tokens].tolist()
                 return Draft(tokens, confidence=[float(n)] * len(tokens))  # longer matches: stronger evidence
         return Draft([])
+
+
+METHOD = MethodSpec("ngram", "prompt lookup", make=lambda context: NgramDrafter(context.ngram), vllm_names=("ngram",))

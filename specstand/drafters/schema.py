@@ -28,7 +28,7 @@ from collections import Counter
 from dataclasses import dataclass, field, replace
 from typing import Protocol
 
-from specstand.drafters.base import Draft, Drafter, HiddenRows, SequenceView
+from specstand.drafters.base import Draft, Drafter, DraftingContext, HiddenRows, MethodSpec, SequenceView
 from specstand.drafters.json_reader import (
     BREAKS,
     FITS,
@@ -325,3 +325,11 @@ def _common_prefix(sequences: list[list[int]]) -> list[int]:
         length = next((i for i, (a, b) in enumerate(zip(first[:length], other, strict=False)) if a != b),
                       min(length, len(other)))
     return first[:length]
+
+
+def _make(context: DraftingContext) -> SchemaDrafter:
+    return SchemaDrafter(HFTextCodec(context.tokenizer))
+
+
+METHOD = MethodSpec("schema", "the text a request's tools or response format force, else suffix drafts",
+                    make=_make, vllm_names=("schema",), needs=("tokenizer",))

@@ -16,7 +16,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import NamedTuple
 
-from specstand.drafters.base import Draft, Drafter, HiddenRows, SequenceView
+from specstand.drafters.base import Draft, Drafter, DraftingContext, HiddenRows, MethodSpec, SequenceView
 
 # how well a draft (the tokens grown so far, the last one new) fits a composing drafter's rule: 0 best, larger
 # worse, None not at all. A draft grows by the best-fitting of the KEEP_TRIES most frequent children.
@@ -206,3 +206,11 @@ class SuffixDrafter(Drafter):
         self._responses.append(response)
         if len(self._responses) > self.config.max_cached_responses:
             self.global_tree.add(self._responses.popleft(), delta=-1)
+
+
+def _make(context: DraftingContext) -> SuffixDrafter:
+    return SuffixDrafter()
+
+
+METHOD = MethodSpec("suffix", "SuffixDecoding over this request's and earlier answers", make=_make,
+                    vllm_names=("suffix",))

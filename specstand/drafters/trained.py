@@ -7,7 +7,6 @@ Shipped drafters live in the repository under drafters/<model>/<method>/ (see `s
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -15,14 +14,11 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from torch import nn
 
-from specstand.drafters.base import Drafter
+from specstand.drafters.base import Drafter, TrainedParts
 from specstand.drafters.chain import ChainModel
-from specstand.drafters.dflash import DFlashDrafter, DFlashModel
-from specstand.drafters.dflash2 import DFlash2Model
-from specstand.drafters.dspark import DSparkModel
-from specstand.drafters.eagle3 import build_eagle3, eagle3_drafter, eagle3_tap_layers
-from specstand.drafters.mtp import build_mtp, mtp_drafter, mtp_tap_layers
+from specstand.drafters.dflash import DFlashModel
 from specstand.drafters.nn import DrafterSpec, pack_for_inference
+from specstand.drafters.registry import REGISTRY
 from specstand.drafters.target_parts import TargetParts
 from specstand.files import write_atomic, write_text_atomic
 
@@ -30,32 +26,21 @@ SHIPPED_ROOT = Path(__file__).resolve().parents[2] / "drafters"
 WEIGHTS = "model.safetensors"
 
 
-def dflash_tap_layers(num_layers: int, count: int = 5) -> list[int]:
-    """`count` layer outputs spread from layer 1 to layer L-3 (z-lab's spacing), in HF numbering."""
-    last = max(num_layers - 3, 1)
-    ids = {round(1 + i * (last - 1) / max(count - 1, 1)) for i in range(count)}
-    return sorted(i + 1 for i in ids)
-
-
-# method -> (default taps for a target of L layers, model builder, inference wrapper)
-TRAINED: dict[str, tuple[Callable[[int], list[int]], Callable, Callable[[nn.Module], Drafter]]] = {
-    "eagle3": (eagle3_tap_layers, build_eagle3, eagle3_drafter),
-    "mtp": (mtp_tap_layers, build_mtp, mtp_drafter),
-    "dflash": (dflash_tap_layers, DFlashModel, DFlashDrafter),
-    "dspark": (dflash_tap_layers, DSparkModel, DFlashDrafter),
-    "dflash2": (dflash_tap_layers, DFlash2Model, DFlashDrafter),
-}
-BLOCK_METHODS = ("dflash", "dspark", "dflash2")  # one drafter pass per block of drafts
-
-
 class DrafterLoadError(ValueError):
     pass
 
 
+def trained_parts(method: str) -> TrainedParts:
+    """How the trained `method` is built (DrafterLoadError for a method that is not a trained one)."""
+    spec = REGISTRY.get(method)
+    if spec is None or spec.trained is None:
+        trained = ", ".join(name for name, s in REGISTRY.items() if s.trained is not None)
+        raise DrafterLoadError(f"unknown trained method {method!r} (choose from {trained})")
+    return spec.trained
+
+
 def build_model(spec: DrafterSpec, target: TargetParts, draft_to_target: torch.Tensor) -> ChainModel | DFlashModel:
-    if spec.method not in TRAINED:
-        raise DrafterLoadError(f"unknown trained method {spec.method!r} (choose from {', '.join(TRAINED)})")
-    return TRAINED[spec.method][1](spec, target, draft_to_target)
+    return trained_parts(spec.method).build(spec, target, draft_to_target)
 
 
 def drafter_state(model: nn.Module) -> dict[str, torch.Tensor]:
@@ -129,7 +114,7 @@ def load_drafter(folder: Path, embed_tokens: torch.Tensor, lm_head: torch.Tensor
     """The drafter in `folder` for inference (its linears on the CPU kernels where they build)."""
     model = load_drafter_model(folder, embed_tokens, lm_head)
     pack_for_inference(model)
-    return TRAINED[model.spec.method][2](model)
+    return trained_parts(model.spec.method).wrap(model)
 
 
 def shipped_drafter(model_name: str, method: str) -> Path | None:

@@ -197,8 +197,12 @@ class AdaptiveVerifier:
     draft_times: deque[float] = field(default_factory=lambda: deque(maxlen=15))
     max_pause: int = 16  # the doubling pause (1, 2, 4 ... steps without drafting) stops here
     # a drafting step that plain decoding would have beaten is "a probe": pauses stretch until probes cost at
-    # most this share of the plain steps between them (a drafter as slow as two plain steps: 40 steps)
+    # most this share of the plain steps between them (a drafter as slow as two plain steps: 40 steps), a
+    # share halved by each further probe in a row that did not pay either (80, 160 ... steps): a drafter that
+    # never pays on this traffic (a trained one off its domain, whose probes read every new prompt) then
+    # costs ever less, down to least_probe_share; a cheap one (a lookup) still comes back within max_pause steps
     probe_share: float = 0.05
+    least_probe_share: float = 0.005
     # bounds a pause bought by one freak probe; far above what real probes buy, so the share above holds
     # (at 256, probes that each read four new 1.5k-token prompts into SmolLM2's DFlash added a third to the
     # time of plain decoding in `make demo`'s 4-user runs)
@@ -210,6 +214,7 @@ class AdaptiveVerifier:
     depth: int = field(init=False)  # how deep to draft next: one past the deepest share the last budget gave
     _pause: int = 0  # steps left without drafting
     _backoff: int = 0
+    _misses: int = 0  # budgeted steps in a row that plain decoding would have beaten
     _probing: bool = False  # the first drafting step after a pause verifies a token of every draft
     _probe_step: bool = False  # this step is such a probe: its outcomes refit the estimate at once
     _paid: bool = False  # the latest budgeted step was faster than plain decoding would have been
@@ -284,11 +289,13 @@ class AdaptiveVerifier:
         """Pause drafting when the step's budget is slower than plain decoding would have been."""
         self._paid = (requests + expected) / (self.draft_seconds + drafted_pass) >= requests / plain_seconds
         if not self._paid:
+            self._misses = min(self._misses + 1, 16)
+            share = max(self.probe_share / 2 ** (self._misses - 1), self.least_probe_share)
             self._backoff = min(max(2 * self._backoff, 1), self.max_pause)
-            paid_for = math.ceil(this_draft / (self.probe_share * plain_seconds))  # this step's drafting
+            paid_for = math.ceil(this_draft / (share * plain_seconds))  # this step's drafting
             self._pause = min(max(self._backoff, paid_for), self.longest_pause)
         else:
-            self._backoff = 0
+            self._backoff, self._misses = 0, 0
 
     def observe(self, draft: Draft, accepted: int, request_id: int | None = None) -> None:
         """A verified draft had `accepted` tokens accepted; the request (if given) is charged the step."""

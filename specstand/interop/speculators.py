@@ -25,7 +25,8 @@ from safetensors.torch import save_file
 
 from specstand.drafters.dspark import draft_rows_of
 from specstand.drafters.nn import DrafterSpec
-from specstand.drafters.trained import BLOCK_METHODS, WEIGHTS, DrafterLoadError, read_drafter, save_tensors
+from specstand.drafters.registry import is_block_method
+from specstand.drafters.trained import WEIGHTS, DrafterLoadError, read_drafter, save_tensors
 from specstand.files import write_atomic, write_text_atomic
 from specstand.models import LoadedModel
 
@@ -72,7 +73,7 @@ def check_spec(spec: DrafterSpec, source: Path, draft_ids: torch.Tensor) -> None
                                f"{spec.num_kv_heads}")
     if not spec.tap_layers or any(not isinstance(t, int) or not 0 <= t <= 1024 for t in spec.tap_layers):
         raise DrafterLoadError(f"{source}: the target layers read ({spec.tap_layers}) must be layer numbers >= 0")
-    if spec.method in BLOCK_METHODS and not 2 <= spec.block_size <= 64:
+    if is_block_method(spec.method) and not 2 <= spec.block_size <= 64:
         raise DrafterLoadError(f"{source}: block_size={spec.block_size} (a block has 2..64 positions)")
     if spec.method == "dspark" and not 1 <= spec.markov_rank <= 4096:
         raise DrafterLoadError(f"{source}: markov_rank={spec.markov_rank} (DSpark needs 1..4096)")
@@ -227,7 +228,7 @@ def import_speculators(source: Path, out: Path, target: str | None = None) -> Dr
     tensors.pop("t2d", None)
     ours = {("hidden_norm.weight" if k == "layers.0.hidden_norm.weight" else k): v for k, v in tensors.items()
             if k != "embed_tokens.weight"}
-    if method in BLOCK_METHODS:
+    if is_block_method(method):
         ours.pop("lm_head.weight", None)  # ours reads the target's head rows
     draft_ids = torch.arange(spec.target_vocab_size) if offsets is None else offsets + torch.arange(len(offsets))
     check_spec(spec, source, draft_ids)

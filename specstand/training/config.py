@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from specstand.drafters.trained import BLOCK_METHODS, TRAINED
+from specstand.drafters.registry import is_block_method, trained_methods
 
 
 @dataclass
@@ -44,15 +44,15 @@ class TrainConfig:
     extra: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        if self.method not in TRAINED:
-            raise ValueError(f"unknown trained method {self.method!r} (choose from {', '.join(TRAINED)})")
+        if self.method not in trained_methods():
+            raise ValueError(f"unknown trained method {self.method!r} (choose from {', '.join(trained_methods())})")
         if self.steps < 1 or self.save_every < 1 or self.pack_tokens < 16:
             raise ValueError("--steps and --save-every must be >= 1, --pack-tokens >= 16")
         if not 0 < self.data_fraction <= 1:
             raise ValueError(f"--data-fraction {self.data_fraction} is not in (0, 1]")
         if not self.data:
             raise ValueError("no --data folder")
-        if self.method in BLOCK_METHODS and self.block_size < 2:
+        if is_block_method(self.method) and self.block_size < 2:
             raise ValueError("a block drafter's block needs at least 2 positions")
         if self.position_weighting not in ("", "dpace", "exp"):
             raise ValueError(f"--position-weighting {self.position_weighting!r} is not dpace or exp")

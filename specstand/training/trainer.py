@@ -19,8 +19,9 @@ import torch
 from tqdm import tqdm
 
 from specstand.drafters.nn import DrafterSpec, draft_vocabulary
+from specstand.drafters.registry import is_block_method
 from specstand.drafters.target_parts import TargetParts
-from specstand.drafters.trained import BLOCK_METHODS, TRAINED, build_model, drafter_state, save_drafter
+from specstand.drafters.trained import build_model, drafter_state, save_drafter, trained_parts
 from specstand.files import write_atomic
 from specstand.models import LoadedModel
 from specstand.training.config import TrainConfig
@@ -36,9 +37,9 @@ TRAIN_PLOT = "train_log.png"
 
 
 def tap_layers_for(config: TrainConfig, num_layers: int) -> list[int]:
-    if config.method in BLOCK_METHODS:
-        return TRAINED[config.method][0](num_layers, config.num_taps)
-    return TRAINED[config.method][0](num_layers)
+    if is_block_method(config.method):
+        return trained_parts(config.method).tap_layers(num_layers, config.num_taps)
+    return trained_parts(config.method).tap_layers(num_layers)
 
 
 def make_spec(config: TrainConfig, target: LoadedModel, mask_token_id: int) -> DrafterSpec:
@@ -47,7 +48,7 @@ def make_spec(config: TrainConfig, target: LoadedModel, mask_token_id: int) -> D
     config_file = Path(target.path) / "config.json"
     architectures = json.loads(config_file.read_text()).get("architectures") if config_file.is_file() else None
     arch = (architectures or [""])[0]
-    block = config.method in BLOCK_METHODS
+    block = is_block_method(config.method)
     return DrafterSpec(
         method=config.method, target=target.name, target_architecture=arch, target_vocab_size=shape.vocab_size,
         hidden_size=shape.hidden_size, num_heads=shape.num_heads, num_kv_heads=shape.num_kv_heads,

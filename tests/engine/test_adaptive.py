@@ -8,11 +8,11 @@ import numpy as np
 import pytest
 import torch
 
-from specstand.drafters import DRAFTERS, Draft, Drafter, SequenceView, make_drafter
+from specstand.drafters import Draft, Drafter, SequenceView, make_drafter
 from specstand.engine import Engine, EngineConfig, Request
 from specstand.engine import engine as engine_module
 from specstand.engine.adaptive import AcceptanceModel, AdaptiveVerifier, PassCost, choose_budget, profile_pass_cost
-from tests.conftest import FORWARDS, FixedCost, random_prompts, tiny_decoder
+from tests.conftest import FORWARDS, TRAINING_FREE, FixedCost, random_prompts, tiny_decoder
 
 
 def test_budget_takes_the_positions_that_pay_for_their_rows():
@@ -110,7 +110,7 @@ def test_every_drafter_with_adaptive_verification_is_token_identical(forward, mo
     prompts = random_prompts(6, 40, seed=3)
     requests = [Request(p, 40) for p in prompts]
     plain = [r.output_ids for r in Engine(model, None, EngineConfig(5, 512, 1)).generate(requests)]
-    for method in DRAFTERS:
+    for method in TRAINING_FREE:
         engine = Engine(model, make_drafter(method), EngineConfig(5, 512, 3, adaptive=True))
         results = engine.generate(requests)
         assert [r.output_ids for r in results] == plain, method
@@ -358,3 +358,79 @@ def test_a_probe_of_a_drafter_without_hidden_rows_drafts_for_every_request(monke
     Engine(model, drafter, EngineConfig(4, 512, 3, adaptive=True)).generate(
         [Request(p, 48) for p in random_prompts(3, 20, seed=6)])
     assert len(drafter.asked[0]) == 3
+
+
+class AlwaysWrong(Drafter):
+    """Drafts a token the target never takes next: its plain answer's next token, plus one."""
+
+    name = "always-wrong"
+
+    def __init__(self, answers: dict[int, list[int]], slow_s: float = 0.0) -> None:
+        self.answers, self.slow_s = answers, slow_s
+
+    def propose(self, seq: SequenceView, max_tokens: int) -> Draft:
+        time.sleep(self.slow_s)
+        done = len(seq.output_ids)
+        wrong = (self.answers[seq.request_id][done] + 1) % 96
+        return Draft([wrong] * max_tokens, confidence=[0.0] * max_tokens)
+
+
+def _target_time(engine: Engine, prompts: list[list[int]], cost: PassCost, monkeypatch) -> tuple[float, list]:
+    """The target time of answering `prompts` one at a time, as `cost` prices each decode pass's rows (prompt
+    passes are the same with or without a drafter, so left out), and the answers."""
+    passes: list[int] = []
+    run = engine.runner.run
+
+    def counting_run(inputs, width, *args, **kwargs):
+        if all(item.logits == "all" for item in inputs):
+            passes.append(sum(len(item.tokens) for item in inputs))
+        return run(inputs, width, *args, **kwargs)
+
+    monkeypatch.setattr(engine.runner, "run", counting_run)
+    answers = [engine.generate([Request(p, 128)])[0].output_ids for p in prompts]
+    return sum(cost(rows) for rows in passes), answers
+
+
+def test_a_drafter_that_is_always_wrong_costs_at_most_two_percent_of_target_time(monkeypatch):
+    """Counted passes and rows, priced by a decode-bound profile (a verify of K + 1 rows: 1.4 plain steps):
+    probes and the warm-up's whole drafts add at most 2% to plain decoding's target time."""
+    cost = FixedCost([1, 2, 6, 64], [1.0, 1.08, 1.4, 8.0])
+    monkeypatch.setattr(engine_module, "profile_pass_cost", lambda *profile_args: cost)
+    model = tiny_decoder("llama", torch.float32, forward="python")
+    prompts = random_prompts(4, 30, seed=61)
+    plain_time, answers = _target_time(Engine(model, None, EngineConfig(5, 512, 1)), prompts, cost, monkeypatch)
+    engine = Engine(model, AlwaysWrong({}), EngineConfig(5, 512, 1, adaptive=True))
+    engine.drafter.answers = {i: a for i, a in enumerate(answers)}  # request ids count from 0, one at a time
+    drafted_time, drafted_answers = _target_time(engine, prompts, cost, monkeypatch)
+    assert drafted_answers == answers
+    assert drafted_time <= 1.02 * plain_time
+
+
+def test_probes_that_keep_failing_come_ever_more_rarely():
+    """Each unpaid probe in a row halves the share of plain time probes may take, down to half a percent: a
+    costly probe's pauses grow, a cheap one's do not."""
+    verifier = _verifier()
+    draft = Draft([1, 2, 3], confidence=[0.0] * 3)
+    for _ in range(verifier.acceptance.first_fit):
+        verifier.observe(draft, 0)
+    pauses = []
+    for _ in range(8):
+        verifier.record_draft_time(2.0)  # two plain passes a probe
+        verifier.trim([draft], [0])
+        paused = 0
+        while not verifier.should_draft():
+            paused += 1
+        pauses.append(paused)
+        verifier.observe(draft.cut(1), 0)
+    assert pauses == [40, 80, 160, 320, 400, 400, 400, 400]  # down to half a percent of plain time
+    cheap = _verifier()
+    for _ in range(cheap.acceptance.first_fit):
+        cheap.observe(draft, 0)
+    for _ in range(12):  # a lookup's cost: its pauses stay the doubling ones, at most max_pause
+        cheap.record_draft_time(0.0001)
+        cheap.trim([draft], [0])
+        paused = 0
+        while not cheap.should_draft():
+            paused += 1
+        cheap.observe(draft.cut(1), 0)
+    assert paused == cheap.max_pause

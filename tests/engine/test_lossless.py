@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from specstand.drafters import DRAFTERS, Draft, Drafter, SequenceView, make_drafter
+from specstand.drafters import Draft, Drafter, SequenceView, make_drafter
 from specstand.drafters.schema import SchemaDrafter
 from specstand.engine import Engine, EngineConfig, Request
 from specstand.engine import engine as engine_module
@@ -15,6 +15,7 @@ from tests.conftest import (
     FAMILIES,
     FORWARDS,
     KERNEL_PATHS,
+    TRAINING_FREE,
     VOCAB,
     FixedCost,
     random_prompts,
@@ -79,7 +80,7 @@ def assert_every_drafter_answers_as_plain_decoding(model, prompts: list[list[int
     """Each training-free drafter, 3 requests at a time: the greedy answers of plain decoding, one by one,
     with drafts accepted (else the test would not exercise verification)."""
     baseline = _outputs(_engine(model, None), prompts)
-    for method in DRAFTERS:
+    for method in TRAINING_FREE:
         results = _engine(model, make_drafter(method), max_batch=3).generate([Request(p, 48) for p in prompts])
         assert [r.output_ids for r in results] == baseline, method
         assert sum(r.stats.accepted_tokens for r in results) > 0, f"{method} never had a draft accepted"
@@ -138,7 +139,7 @@ def test_batched_drafting_over_long_prompts_sharing_a_head(family, forward):
     head = random_prompts(1, 150, seed=30)[0]
     prompts = [head + tail for tail in random_prompts(5, 20, seed=31)]
     alone = [_outputs(_engine(model, None), [p], 32)[0] for p in prompts]
-    for method in DRAFTERS:
+    for method in TRAINING_FREE:
         engine = _engine(model, make_drafter(method), max_batch=3)
         results = engine.generate([Request(p, 32) for p in prompts])
         assert [r.output_ids for r in results] == alone, method

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from specstand.drafters import DRAFTERS, make_drafter
+from specstand.drafters import make_drafter
 from specstand.engine import Engine, EngineConfig, Request
 from specstand.engine import engine as engine_module
 from specstand.runner.kv_cache import KVCache
@@ -18,6 +18,7 @@ from tests.conftest import (
     HYBRID_FAMILIES,
     KERNEL_PATHS,
     RECURRENT_FAMILIES,
+    TRAINING_FREE,
     FixedCost,
     random_prompts,
     tiny_hybrid,
@@ -104,7 +105,7 @@ def test_prefix_reuse_over_shared_heads_is_exact(family):
     head = random_prompts(1, 150, seed=30)[0]
     prompts = [head + tail for tail in random_prompts(5, 20, seed=31)]
     alone = [_outputs(_engine(model, None), [p], 32)[0] for p in prompts]
-    for method in DRAFTERS:
+    for method in TRAINING_FREE:
         results = _engine(model, make_drafter(method), max_batch=3).generate([Request(p, 32) for p in prompts])
         assert [r.output_ids for r in results] == alone, method
         assert sum(r.stats.cached_prompt_tokens for r in results) >= 4 * 128

@@ -10,7 +10,8 @@ import torch
 from safetensors.torch import load_file
 
 from specstand.drafters import make_drafter
-from specstand.drafters.trained import TRAINED, load_drafter_model, read_spec
+from specstand.drafters.registry import trained_methods
+from specstand.drafters.trained import load_drafter_model, read_spec, trained_parts
 from specstand.engine import DecodeStats, Engine, EngineConfig, Request
 from specstand.training.config import TrainConfig
 from specstand.training.data import load_rows, subset_turn
@@ -38,7 +39,7 @@ def _loss(folder: Path, target, data: Path) -> float:
         return chain_objective(model, pack, t2d, config, soft=model.spec.method == "eagle3")[0].item()
 
 
-@pytest.mark.parametrize("method", list(TRAINED))
+@pytest.mark.parametrize("method", list(trained_methods()))
 def test_loss_falls(method, trained, tiny_target, tiny_data):
     before = _loss(trained[method, 1], tiny_target, tiny_data)
     after = _loss(trained[method, LONG_RUN], tiny_target, tiny_data)
@@ -50,7 +51,7 @@ def _requests(data: Path, target) -> list[Request]:
     return [Request(r.prompt_ids, 40, SamplingParams(), target.stop_token_ids) for r in rows if r.split == "train"]
 
 
-@pytest.mark.parametrize("method", list(TRAINED))
+@pytest.mark.parametrize("method", list(trained_methods()))
 def test_copying_a_deterministic_target_reaches_high_acceptance(method, trained, tiny_target, tiny_data):
     drafter = make_drafter(method, tiny_target.decoder, drafter_path=trained[method, LONG_RUN])
     engine = Engine(tiny_target.decoder, drafter, EngineConfig(5, 512, 2, adaptive=False))
@@ -63,7 +64,7 @@ def test_copying_a_deterministic_target_reaches_high_acceptance(method, trained,
 
 
 @pytest.mark.parametrize(("dtype", "forward"), [(torch.float32, "python")] + [(torch.bfloat16, f) for f in FORWARDS])
-@pytest.mark.parametrize("method", list(TRAINED))
+@pytest.mark.parametrize("method", list(trained_methods()))
 def test_engine_is_token_identical_with_trained_drafters(method, dtype, forward, trained, tiny_target, tiny_data):
     decoder = tiny_decoder("llama", dtype, 512, forward)  # the same weights as the saved tiny model
     requests = _requests(tiny_data, tiny_target)
@@ -163,7 +164,7 @@ def test_trainings_sharing_the_target_features_each_train_on_their_own_rows(tiny
                              draft_vocab_size=64, data_fraction=fraction)
         return train(config, tiny_target, log=lambda _: None, features=features).state_dict()
 
-    taps = TRAINED["dflash"][0](tiny_target.decoder.shape.num_layers, 5)
+    taps = trained_parts("dflash").tap_layers(tiny_target.decoder.shape.num_layers, 5)
     shared = TargetFeatures(tiny_target.decoder, taps, 512)
     run("half", 0.5, shared)
     alone, after_half = run("alone", 1.0), run("shared", 1.0, shared)
@@ -187,7 +188,7 @@ def family_drafters(tiny_target, tmp_path_factory) -> dict[tuple[str, str], Path
                          decoder=DecoderModel(tiny_hf_model(family), 512))
         data = tmp_path_factory.mktemp(f"data-{family}")
         save_rows(data, generate_rows(target, tiny_turns(), 0.2, SamplingParams(), 4, 512), {"model": family})
-        for method in TRAINED:
+        for method in trained_methods():
             out = tmp_path_factory.mktemp(f"{family}-{method}")
             train(TrainConfig(method, [str(data)], str(out), steps=8, pack_tokens=256, lr=3e-3, draft_vocab_size=64),
                   target, log=lambda _: None)
@@ -205,7 +206,7 @@ def test_trained_drafters_are_lossless_on_every_family_over_shared_heads(family,
     head = random_prompts(1, 150, seed=40)[0]
     requests = [Request(head + tail, 32) for tail in random_prompts(5, 20, seed=41)]
     plain = [Engine(decoder, None, EngineConfig(5, 512, 1)).generate([r])[0].output_ids for r in requests]
-    for method in TRAINED:
+    for method in trained_methods():
         drafter = make_drafter(method, decoder, drafter_path=family_drafters[family, method])
         drafted = Engine(decoder, drafter, EngineConfig(5, 512, 3, adaptive=False)).generate(requests)
         assert [r.output_ids for r in drafted] == plain, method

@@ -2,8 +2,8 @@
 # llama-cpp-python's OpenAI server as a peer of the stand: the preset's own GGUF, 2 threads, its prompt cache on.
 #   benchmarks/peers/llama_cpp_server.sh install            # source build into .venv-llama (native flags)
 #   benchmarks/peers/llama_cpp_server.sh serve MODEL PORT   # MODEL: a specstand preset name
-# On an AMX Xeon llama-cpp-python 0.3.36's native build (AMX_INT8 on) segfaulted on the Qwen preset's GGUF at the
-# first completion, so AMX is built off there; --no-cache-dir keeps pip from reusing a wheel built with other
+# On an AMX Xeon llama-cpp-python 0.3.36's native build (AMX_INT8 on) segfaults on the Qwen preset's GGUF at the
+# first completion, so AMX is built off there (the system info line it prints says AMX_INT8 = 0); --no-cache-dir keeps pip from reusing a wheel built with other
 # flags. The build's flags are written beside the venv (build-flags.txt) and printed at every start.
 set -euo pipefail
 ROOT="$(cd "$(dirname "$0")/../.." && pwd)"
@@ -15,6 +15,10 @@ case "${1:-}" in
     [ -x "$VENV/bin/python" ] || python3 -m venv "$VENV"
     flags="-DGGML_NATIVE=ON"
     if grep -q amx_int8 /proc/cpuinfo; then
+      # GGML_NATIVE compiles with -march=native, which turns AMX on whatever GGML_AMX_* say (seen: the
+      # "AMX model buffer" and the segfault with -DGGML_AMX_INT8=OFF): name this CPU's other ISAs instead
+      flags="-DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_AVX512=ON"
+      flags="$flags -DGGML_AVX512_VBMI=ON -DGGML_AVX512_VNNI=ON -DGGML_AVX512_BF16=ON -DGGML_AVX_VNNI=ON"
       flags="$flags -DGGML_AMX_INT8=OFF -DGGML_AMX_TILE=OFF -DGGML_AMX_BF16=OFF"
     fi
     CMAKE_ARGS="$flags" "$VENV/bin/pip" install -q --no-cache-dir 'llama-cpp-python[server]==0.3.36'
@@ -36,6 +40,7 @@ with tempfile.TemporaryDirectory() as work:
 EOF
     fi
     echo "llama-cpp-python server: $(cat "$VENV/build-flags.txt" 2>/dev/null || echo 'build flags not recorded')" >&2
+    "$VENV/bin/python" -c "import llama_cpp; print(llama_cpp.llama_print_system_info().decode())" >&2
     exec "$VENV/bin/python" -m llama_cpp.server --model "$gguf" --model_alias "$model" --port "$port" \
       --n_threads 2 --n_threads_batch 2 --n_ctx 4096 --cache true --cache_type ram
     ;;

@@ -32,7 +32,7 @@ SERVER_START_TIMEOUT_S = 600
 
 # What a run may find cached when it begins: "system", the workload's shared heads (a server that has served
 # the same agent before: an agent's every call repeats its system prompt and tools), or "none" (cold).
-WARM_STATES = ("system", "none")
+WARM_STATES = tuple(WARM_WORDS)
 FIXED = "@fixed"  # a bench method name's suffix: serve that method at fixed K (adaptive verification is the default)
 GAUGES = ("specstand:prefix_store_bytes", "specstand:tau", "specstand:requests_waiting", "specstand:exact")
 

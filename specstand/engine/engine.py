@@ -390,9 +390,10 @@ class Engine:
         cache holds now: waiting a pass or two for it saves computing that head twice."""
         if not self.config.prefix_reuse:
             return False
-        coming = max((common_prefix(state.seq.token_ids[: state.seq.prompt_len], prompt)
-                      for state in self._running.values() if not state.decoding), default=0)
-        return min(coming, len(prompt) - 1) - self.prefix_cache.cached_length(prompt) >= PREFILL_BLOCK
+        coming = min(max((common_prefix(state.seq.token_ids[: state.seq.prompt_len], prompt)
+                          for state in self._running.values() if not state.decoding), default=0), len(prompt) - 1)
+        # the cheap bound first: cached_length scans every slot's head and the store
+        return coming >= PREFILL_BLOCK and coming - self.prefix_cache.cached_length(prompt) >= PREFILL_BLOCK
 
     def _probed(self, states: list[_Running]) -> int | None:
         """The one request a probe drafts for, or None (all of them). A drafter that reads the target's

@@ -79,12 +79,16 @@ class ServerMetrics:
         self._totals.merge(stats)
         self.tau.labels(m).set(self._totals.tau)
 
-    def add_engine_seconds(self, times: EngineTimes, idle: float) -> None:
-        """The engine's phases over some steps, and the time its thread waited for work."""
-        for phase in PHASES:
-            seconds = idle if phase == "idle" else getattr(times, phase)
+    def add_engine_seconds(self, times: EngineTimes) -> None:
+        """The engine's phases over some steps."""
+        for phase in ("prompt", "decode", "draft", "other"):
+            seconds = getattr(times, phase)
             if seconds > 0:
                 self.engine_seconds.labels(self._model, phase).inc(seconds)
+
+    def add_idle_seconds(self, seconds: float) -> None:
+        """Time the engine thread waited for work."""
+        self.engine_seconds.labels(self._model, "idle").inc(seconds)
 
     def set_store_bytes(self, nbytes: int) -> None:
         self.store_bytes.labels(self._model).set(nbytes)

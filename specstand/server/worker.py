@@ -112,10 +112,14 @@ class EngineWorker:
     def account_idle(self) -> None:
         """Count the engine thread's idle time up to now into the metrics (before they are read)."""
         with self._cond:
-            if self._idle_since is not None:
-                now = time.perf_counter()
-                self.metrics.add_engine_seconds(EngineTimes(), now - self._idle_since)
-                self._idle_since = now
+            self._count_idle(still_idle=True)
+
+    def _count_idle(self, still_idle: bool) -> None:
+        """Add the idle time since it was last counted (call with the lock held)."""
+        if self._idle_since is not None:
+            now = time.perf_counter()
+            self.metrics.add_idle_seconds(now - self._idle_since)
+            self._idle_since = now if still_idle else None
 
     def _loop(self) -> None:
         while True:
@@ -126,9 +130,7 @@ class EngineWorker:
                     if self._idle_since is None:
                         self._idle_since = time.perf_counter()
                     self._cond.wait()
-                if self._idle_since is not None:
-                    self.metrics.add_engine_seconds(EngineTimes(), time.perf_counter() - self._idle_since)
-                    self._idle_since = None
+                self._count_idle(still_idle=False)
                 if self._stopped:
                     return
                 before, started = replace(self.engine.times), time.perf_counter()
@@ -151,9 +153,9 @@ class EngineWorker:
         work, so the phases add up to the thread's time."""
         times = self.engine.times
         phases = EngineTimes(times.prompt - before.prompt, times.decode - before.decode, times.draft - before.draft)
-        phases.other = seconds - phases.accounted
+        phases.other = seconds - phases.accounted  # the engine's own other work and the worker's part of the step
         with self._cond:
-            self.metrics.add_engine_seconds(phases, 0.0)
+            self.metrics.add_engine_seconds(phases)
             store = self.engine.prefix_cache.store
             self.metrics.set_store_bytes(store.nbytes if store is not None else 0)
 

@@ -43,7 +43,7 @@ demo: install
 # model card. SmolLM2: DFlash (about 1 s a step once that pass is in memory) is then resumed to 1200 steps.
 # Qwen (896 wide): a narrower MLP, a 6144-token draft vocabulary and rank-128 Markov head / selector keep
 # each drafter under 30 MB. Qwen's shipped DFlash was since retrained on all ComplexFuncBench calls by
-# benchmarks/data_size_curve.py (the command is in benchmarks/results/README.md).
+# benchmarks/data_size_curve.py (the command is in benchmarks/results/training/README.md).
 DRAFTERS := out/drafters
 TARGET_DTYPE ?= $(shell $(PY) -c "from specstand import kernels as k; print('bf16' if k.best_path() in ('amx', 'avx512bf16') else 'fp32')" 2>/dev/null || echo fp32)
 TRAIN_STEPS := 300

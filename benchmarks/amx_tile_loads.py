@@ -3,7 +3,7 @@ kernels' register-loop peak, which pass_cost.py's roofline uses) beside the same
 runs (two activation and two weight tiles loaded for four tdpbf16ps), its operands read from L1, from L2
 and streamed from memory; and what each rate makes of a whole Qwen2.5-Coder-0.5B pass by rows.
 
-    python benchmarks/amx_tile_loads.py --out benchmarks/results/amx_tile_loads.txt
+    python benchmarks/amx_tile_loads.py --out benchmarks/results/kernels/amx_tile_loads.txt
 
 Plain g++ and ctypes (no torch extension): one C file, built into a temporary folder.
 """

@@ -8,7 +8,7 @@ An `--eval` set the training folders do not include measures generalisation: tra
     python benchmarks/data_size_curve.py --model qwen2.5-coder-0.5b --methods dflash \\
         --train out/data12/cfb --eval cfb=out/data12/cfb --eval nestful=out/data12/nestful \\
         --fractions 0.25,0.5,1 --steps 400 --k 7 --limit 12 --work out/curve \\
-        --out benchmarks/results/data_size_curve_qwen2.5-coder-0.5b
+        --out benchmarks/results/training/data_size_curve_qwen2.5-coder-0.5b
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """One linear, side by side: the compiled kernels (bf16 and q8_0) against torch's bf16 and fp32 F.linear on
 Qwen2.5-Coder-0.5B's fused gate/up shape, by row count, with the register-loop peaks the rooflines use.
 
-    python benchmarks/linear_vs_torch.py --out benchmarks/results/linear_vs_torch.txt
+    python benchmarks/linear_vs_torch.py --out benchmarks/results/kernels/linear_vs_torch.txt
 """
 
 from __future__ import annotations

@@ -11,7 +11,8 @@ max(weight bytes / bandwidth, MACs / peak).
 call): specstand plain and with `--method` (adaptive verification, answers compared), and llama-cpp-python's
 plain decoding where `--llama-cpp-python` is given; prompts of >= 512 tokens are measured on both sides.
 
-    python benchmarks/pass_cost.py --model qwen2.5-coder-0.5b --out benchmarks/results/pass_cost_qwen.txt
+    python benchmarks/pass_cost.py --model qwen2.5-coder-0.5b \
+        --out benchmarks/results/kernels/pass_cost_qwen2.5-coder-0.5b.txt
     python benchmarks/pass_cost.py --model qwen2.5-coder-0.5b --dtype q8_0   # Q8_0 blocks through the kernels
     python benchmarks/pass_cost.py --model qwen2.5-coder-0.5b --calls cfb.jsonl --llama-cpp-python PYTHON
 """

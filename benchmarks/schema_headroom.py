@@ -21,7 +21,8 @@ from printed import Printed
 from schema_tau import SOURCES, HeldOutCall, chat_request, heldout_turns, run_method
 
 from specstand import kernels
-from specstand.drafters.json_reader import AnswerReader, answer_structure
+from specstand.drafters.json_parts import answer_structure
+from specstand.drafters.json_reader import AnswerReader
 from specstand.models import load_model
 from specstand.workloads import Call
 

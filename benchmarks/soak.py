@@ -3,7 +3,7 @@ mid-stream. Every good answer must equal the answer its prompt gets alone (greed
 lost (each gets an answer or a clear error), the server's memory must stay flat, /health must stay 200.
 
     python benchmarks/soak.py --model smollm2-135m --method suffix --clients 16 --minutes 5 \\
-        --out benchmarks/results/soak_smollm2-135m.txt
+        --out benchmarks/results/stand/soak_smollm2-135m.txt
 """
 
 from __future__ import annotations

@@ -21,7 +21,7 @@ REPEATS="${REPEATS:-2}"
 WARM="${WARM:-system}"
 METHODS="${METHODS:-none,ngram,suffix}"
 PEERS="${PEERS:-vllm hf}"
-OUT="${OUT:-benchmarks/results/side_by_side_${MODEL}}"  # relative: reports carry no path of this machine
+OUT="${OUT:-benchmarks/results/peers/side_by_side_${MODEL}}"  # relative: reports carry no path of this machine
 mkdir -p "$OUT"
 
 model_dir="$("$SPEC" models fetch "$MODEL")"

@@ -1,5 +1,5 @@
 """Plain decoding and a long prompt through specstand on one thread, in the process's CPU time: the specstand side
-of benchmarks/results/avx2_vs_llama_cpp_cpu_time.txt. It writes the prompt texts it used into FOLDER (long.txt,
+of benchmarks/results/peers/avx2_vs_llama_cpp_cpu_time.txt. It writes the prompt texts it used into FOLDER (long.txt,
 short.txt) for llama_cpp_bench.py --clock cpu --threads 1 to read.
 
     SPECSTAND_KERNEL_PATH=avx2 python benchmarks/peers/specstand_cpu_time.py qwen2.5-coder-0.5b q8_0 FOLDER

@@ -155,6 +155,11 @@ def run_summary(run: RunResult, calls: dict[tuple[str, str], Call], baseline_ans
         "output_tokens_per_s": sum(c.completion_tokens for c in ok) / run.wall_s if run.wall_s else 0.0,
         "tau": m.get("specstand:emitted_tokens_total", 0.0) / passes if passes else None,
         "tau_per_draft_vllm": 1 + accepted / drafts if drafts else None,
+        # how often the method drafted: passes that verified a draft, steps its drafter ran, and of those the
+        # probes adaptive verification found slower than plain decoding, each per target pass
+        "drafted_passes": drafts / passes if passes else None,
+        "drafter_runs": m.get("specstand:drafter_runs_total", 0.0) / passes if passes else None,
+        "probes": m.get("specstand:probes_total", 0.0) / passes if passes else None,
         "predicted_speedup": _predicted_speedup(m),
         "acceptance_per_position": [v / drafts for _, v in per_position] if drafts else [],
         "broken_json": broken / len(finished) if finished else None,
@@ -254,7 +259,9 @@ def render_markdown(summary: dict, targets: list[str], users: list[int], baselin
             values = [v for u in users for v in _values(summary.get(t, {}).get(u, []), key)]
             cells.append(fmt.format(statistics.median(values)) if values else "–")
         rows.append(f"| {label} | " + " | ".join(cells) + " |")
-    for label, key in (("broken JSON (finished answers)", "broken_json"),
+    for label, key in (("passes that verified a draft", "drafted_passes"),
+                       ("drafter runs (per pass)", "drafter_runs"), ("probes that did not pay (per pass)", "probes"),
+                       ("broken JSON (finished answers)", "broken_json"),
                        ("JSON answers cut by max_tokens", "truncated_json"), (f"identical to {baseline}", "identical")):
         rows.append(f"| {label} | " + " | ".join(
             _fmt_pct([v for u in users for v in _values(summary.get(t, {}).get(u, []), key)]) for t in targets) + " |")

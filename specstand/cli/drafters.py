@@ -9,8 +9,13 @@ import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from specstand.cli.common import DTYPE_CHOICES, DTYPE_HELP, CliError, log
+
+if TYPE_CHECKING:
+    from specstand.training.data import PartialRows, TrainRow
+    from specstand.workloads import Turn
 
 RECORDED_MODEL_HELP = "the target (default: the one the data or drafter were made with; smollm2-135m for new data)"
 # train's numeric options: name, type, default, help
@@ -36,6 +41,13 @@ TRAIN_OPTIONS = [
 
 
 def add_parsers(commands: argparse._SubParsersAction) -> None:
+    _add_train_data_parser(commands)
+    _add_train_parser(commands)
+    _add_eval_parser(commands)
+    _add_format_parsers(commands)
+
+
+def _add_train_data_parser(commands: argparse._SubParsersAction) -> None:
     data = commands.add_parser("train-data", help="the target answers a workload's calls: drafter training rows")
     data.add_argument("--model", default=None,
                       help="the target (default: the one a resumed --out was started with, else smollm2-135m)")
@@ -55,6 +67,8 @@ def add_parsers(commands: argparse._SubParsersAction) -> None:
     data.add_argument("--dtype", default="bf16", choices=DTYPE_CHOICES, help=DTYPE_HELP)
     data.add_argument("--max-seq-len", type=int, default=2048, help="context (cache capacity) per call")
 
+
+def _add_train_parser(commands: argparse._SubParsersAction) -> None:
     train = commands.add_parser("train", help="online distillation of a drafter from the frozen target")
     train.add_argument("--method", required=True,
                        help="eagle3, mtp, dflash, dspark or dflash2; several (a,b) share one pass of the target "
@@ -73,6 +87,8 @@ def add_parsers(commands: argparse._SubParsersAction) -> None:
                        help="block methods' loss weight per draft position (default: dspark exp(-k/4), others D-PACE)")
     train.add_argument("--no-confidence-head", action="store_true", help="dspark without its confidence head")
 
+
+def _add_eval_parser(commands: argparse._SubParsersAction) -> None:
     evaluate = commands.add_parser("eval-drafter", help="acceptance, tau and predicted speedup on held-out calls")
     evaluate.add_argument("--model", default=None, help=RECORDED_MODEL_HELP)
     evaluate.add_argument("--drafter", type=Path, required=True, help="the trained drafter's folder")
@@ -84,6 +100,9 @@ def add_parsers(commands: argparse._SubParsersAction) -> None:
     evaluate.add_argument("--json", type=Path, default=None, help="also write the figures here")
     evaluate.add_argument("--write-card", action="store_true", help="write the drafter's README.md model card")
 
+
+def _add_format_parsers(commands: argparse._SubParsersAction) -> None:
+    """`export` and `import`: a trained drafter to and from other formats."""
     export = commands.add_parser("export", help="write a trained drafter in another format")
     export.add_argument("--format", choices=["speculators"], default="speculators", help="the format to write")
     export.add_argument("--model", default=None, help="the target (for its head rows); default: the drafter's")
@@ -128,48 +147,15 @@ def cmd_train_data(args: argparse.Namespace) -> None:
 
     from specstand.drafters import make_drafter
     from specstand.models import load_model
-    from specstand.training.data import (
-        HELDOUT_WORKLOAD,
-        EndpointError,
-        PartialRows,
-        generate_rows,
-        heldout_turn,
-        save_rows,
-    )
+    from specstand.training.data import EndpointError, generate_rows
     from specstand.verification import SamplingParams
-    from specstand.workloads import load_workload, save_workload
 
-    if not 0 <= args.heldout < 1:
-        raise CliError("--heldout must be in [0, 1)")
-    if args.samples < 1 or (args.samples > 1 and args.temperature == 0):
-        raise CliError("--samples must be >= 1, and above 1 only with --temperature > 0")
-    if args.k < 1:
-        raise CliError("--k must be >= 1")
+    _check_train_data_args(args)
     args.model = _recorded_target(args.model, _data_models([args.out]))  # a resumed run keeps its target
-    turns = [turn for path in args.workload for turn in load_workload(path)]
-    if args.limit_calls is not None:
-        kept, count = [], 0
-        for turn in turns:  # whole turns only, so the split by turn stays clean
-            if count + len(turn.calls) > args.limit_calls:
-                break
-            kept.append(turn)
-            count += len(turn.calls)
-        turns = kept
-    if not turns:
-        raise CliError("no call to answer (raise --limit-calls)")
+    turns = _turns_to_answer(args.workload, args.limit_calls)
     model = load_model(args.model, args.dtype, args.max_seq_len, log=log)
     sampling = SamplingParams(args.temperature, seed=args.seed)
-    # what decides the rows: a resumed run must have the same, or its partial rows would mix two runs
-    calls = hashlib.sha256(json.dumps([[t.turn_id, c.id] for t in turns for c in t.calls]).encode()).hexdigest()
-    config = {"model": args.model, "dtype": args.dtype, "calls": calls, "temperature": args.temperature,
-              "seed": args.seed, "samples": args.samples, "heldout_share": args.heldout,
-              "max_seq_len": model.max_positions}
-    try:
-        partial = PartialRows(args.out, config)
-    except ValueError as error:
-        raise CliError(str(error)) from None
-    if partial.rows:
-        log(f"resuming: {len(partial.rows)} answers already in {partial.path}")
+    partial = _partial_rows(args, turns, model.max_positions)
     drafter = make_drafter(args.method, tokenizer=model.tokenizer)
     started = time.perf_counter()
     try:
@@ -179,6 +165,60 @@ def cmd_train_data(args: argparse.Namespace) -> None:
         raise CliError(f"the endpoint failed ({error}); the answers so far are kept: rerun to resume") from None
     finally:
         partial.close()
+    _save_train_data(args, turns, rows, partial, started)
+
+
+def _check_train_data_args(args: argparse.Namespace) -> None:
+    if not 0 <= args.heldout < 1:
+        raise CliError("--heldout must be in [0, 1)")
+    if args.samples < 1 or (args.samples > 1 and args.temperature == 0):
+        raise CliError("--samples must be >= 1, and above 1 only with --temperature > 0")
+    if args.k < 1:
+        raise CliError("--k must be >= 1")
+
+
+def _turns_to_answer(workloads: list[Path], limit_calls: int | None) -> list[Turn]:
+    """The workloads' turns, as many whole ones as fit in `limit_calls`, so the split by turn stays clean."""
+    from specstand.workloads import load_workload
+
+    turns = [turn for path in workloads for turn in load_workload(path)]
+    if limit_calls is not None:
+        kept, count = [], 0
+        for turn in turns:
+            if count + len(turn.calls) > limit_calls:
+                break
+            kept.append(turn)
+            count += len(turn.calls)
+        turns = kept
+    if not turns:
+        raise CliError("no call to answer (raise --limit-calls)")
+    return turns
+
+
+def _partial_rows(args: argparse.Namespace, turns: list[Turn], max_seq_len: int) -> PartialRows:
+    """The answers a previous run of the same settings left in --out (none for a new run)."""
+    from specstand.training.data import PartialRows
+
+    # what decides the rows: a resumed run must have the same, or its partial rows would mix two runs
+    calls = hashlib.sha256(json.dumps([[t.turn_id, c.id] for t in turns for c in t.calls]).encode()).hexdigest()
+    config = {"model": args.model, "dtype": args.dtype, "calls": calls, "temperature": args.temperature,
+              "seed": args.seed, "samples": args.samples, "heldout_share": args.heldout,
+              "max_seq_len": max_seq_len}
+    try:
+        partial = PartialRows(args.out, config)
+    except ValueError as error:
+        raise CliError(str(error)) from None
+    if partial.rows:
+        log(f"resuming: {len(partial.rows)} answers already in {partial.path}")
+    return partial
+
+
+def _save_train_data(args: argparse.Namespace, turns: list[Turn], rows: list[TrainRow], partial: PartialRows,
+                     started: float) -> None:
+    """The rows and their metadata, in place of the partial ones, and the held-out turns as a workload."""
+    from specstand.training.data import HELDOUT_WORKLOAD, heldout_turn, save_rows
+    from specstand.workloads import save_workload
+
     meta = {"model": args.model, "dtype": args.dtype, "workloads": [str(p) for p in args.workload],
             "sources": sorted({turn.source for turn in turns if turn.source}),
             "temperature": args.temperature, "samples": args.samples, "heldout_share": args.heldout,

@@ -7,13 +7,23 @@ import os
 import signal
 from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from specstand.cli.common import API_KEY_ENV, AUTO_DTYPE_HELP, DTYPE_CHOICES, CliError, CliParser, log
 from specstand.cli.target import apply_speculative_config
 from specstand.drafters import method_names
 
+if TYPE_CHECKING:
+    from specstand.bench.run import BenchConfig, Target
+
 
 def add_parsers(commands: argparse._SubParsersAction) -> None:
+    _add_workload_parser(commands)
+    _add_record_parser(commands)
+    _add_bench_parser(commands)
+
+
+def _add_workload_parser(commands: argparse._SubParsersAction) -> None:
     workload = commands.add_parser("workload", help="import public agent workloads")
     workload_cmd = workload.add_subparsers(dest="workload_command", required=True, parser_class=CliParser)
     imp = workload_cmd.add_parser("import", help="convert a data set into the workload format")
@@ -31,6 +41,8 @@ def add_parsers(commands: argparse._SubParsersAction) -> None:
                      help="spec-bench: plain-text prompts, for base models without a chat template")
     imp.add_argument("--per-category", type=int, default=None, help="spec-bench: at most this many per category")
 
+
+def _add_record_parser(commands: argparse._SubParsersAction) -> None:
     record = commands.add_parser("record", help="pass-through proxy that records an agent's calls as a workload")
     record.add_argument("--upstream", required=True, help="the OpenAI-compatible server the agent uses")
     record.add_argument("--host", default="127.0.0.1", help="address the proxy listens on")
@@ -39,6 +51,8 @@ def add_parsers(commands: argparse._SubParsersAction) -> None:
     record.add_argument("--turn-idle", type=float, default=30.0,
                         help="a turn with no call for this many seconds is finished and written")
 
+
+def _add_bench_parser(commands: argparse._SubParsersAction) -> None:
     bench = commands.add_parser("bench", help="replay a workload under load and write the report")
     bench.add_argument("--workload", type=Path, required=True, help="workload file (JSON Lines) to replay")
     bench.add_argument("--endpoint", action="append", default=[], metavar="NAME=URL",
@@ -132,27 +146,49 @@ def _parse_users(text: str) -> list[int]:
 def cmd_bench(args: argparse.Namespace) -> None:
     import asyncio
 
-    from specstand.bench.run import (
-        FIXED,
-        WARM_STATES,
-        BenchConfig,
-        Target,
-        bench_method,
-        run_bench,
-        start_server,
-        stop_servers,
-        wait_ready,
-        workload_context,
-    )
+    from specstand.bench.run import run_bench, stop_servers, workload_context
     from specstand.workloads import load_workload
 
     users = _parse_users(args.users)
-    warm = tuple(dict.fromkeys(w.strip() for w in args.warm.split(",") if w.strip()))
-    if not warm or any(w not in WARM_STATES for w in warm):
-        raise CliError(f"--warm takes {' or '.join(WARM_STATES)} (comma-separated), not {args.warm!r}")
+    warm = _parse_warm(args.warm)
     if args.repeats < 1:
         raise CliError("--repeats must be >= 1")
     turns = load_workload(args.workload)[: args.limit_turns]
+    methods, configured = _bench_methods(args)
+    # a `kill` must stop the servers started below too (the finally clause), or they keep loading the CPU
+    signal.signal(signal.SIGTERM, _exit_on_sigterm)
+    targets = _endpoint_targets(args.endpoint)
+    drafters = _drafters_by_method(args.drafter)
+    if args.model and (methods or configured) and args.max_seq_len is None:
+        args.max_seq_len = workload_context(turns, args.model, max(args.k or 0, 15))
+        log(f"context per request: {args.max_seq_len} tokens (the workload's longest prompt + answer + K + 1)")
+    try:
+        _start_servers(args, targets, methods, configured, drafters)
+        config = _bench_config(args, users, warm, targets)
+        try:
+            table = asyncio.run(run_bench(targets, turns, config))
+        except KeyboardInterrupt:
+            raise CliError(f"interrupted; the partial report is in {args.out}") from None
+        print(table)
+        log(f"report: {args.out / 'report.md'}, raw: {args.out / 'report.json'}")
+    finally:
+        stop_servers(targets)
+
+
+def _parse_warm(text: str) -> tuple[str, ...]:
+    from specstand.bench.run import WARM_STATES
+
+    warm = tuple(dict.fromkeys(w.strip() for w in text.split(",") if w.strip()))
+    if not warm or any(w not in WARM_STATES for w in warm):
+        raise CliError(f"--warm takes {' or '.join(WARM_STATES)} (comma-separated), not {text!r}")
+    return warm
+
+
+def _bench_methods(args: argparse.Namespace) -> tuple[list[str], list[tuple[str, str]]]:
+    """The methods to serve and the --speculative-config targets (name, JSON), checked against what was
+    given to serve them (--model) or to measure instead (--endpoint)."""
+    from specstand.bench.run import FIXED, bench_method
+
     methods = list(dict.fromkeys(bench_method(m) for value in args.method for m in value.split(",") if m))
     if args.fixed:
         methods += [f"{m}{FIXED}" for m in methods if m != "none" and not m.endswith(FIXED)]
@@ -167,45 +203,51 @@ def cmd_bench(args: argparse.Namespace) -> None:
         raise CliError("--method needs --model")
     if not methods and not args.endpoint:
         raise CliError("give --endpoint NAME=URL or --model M --method X")
-    targets: list[Target] = []
-    # a `kill` must stop the servers started below too (the finally clause), or they keep loading the CPU
-    signal.signal(signal.SIGTERM, _exit_on_sigterm)
-    for spec in args.endpoint:
+    return methods, configured
+
+
+def _endpoint_targets(endpoints: list[str]) -> list[Target]:
+    from specstand.bench.run import Target
+
+    targets = []
+    for spec in endpoints:
         name, sep, url = spec.partition("=")
         if not sep or not url.startswith("http"):
             raise CliError(f"--endpoint takes NAME=URL, not {spec!r}")
         targets.append(Target(name, url))
-    drafters = _drafters_by_method(args.drafter)
-    if args.model and (methods or configured) and args.max_seq_len is None:
-        args.max_seq_len = workload_context(turns, args.model, max(args.k or 0, 15))
-        log(f"context per request: {args.max_seq_len} tokens (the workload's longest prompt + answer + K + 1)")
-    try:
-        for target in targets:
-            wait_ready(target)
-        # one server at a time: each profiles its passes at start (adaptive verification, the predicted
-        # speedup), which another server loading beside it would distort
-        for method in methods:
-            targets.append(start_server(method, args.model, args.k, args.max_batch, args.dtype, args.max_seq_len,
-                                        drafters.get(method.removesuffix(FIXED))))
-            wait_ready(targets[-1])
-        for name, text in configured:
-            targets.append(start_server(name, args.model, None, args.max_batch, args.dtype, args.max_seq_len,
-                                        speculative_config=text))
-            wait_ready(targets[-1])
-        baseline = args.baseline or targets[0].name
-        if baseline not in [t.name for t in targets]:
-            raise CliError(f"--baseline {baseline!r} is not one of the targets")
-        config = BenchConfig(str(args.workload), users, args.repeats, args.out, baseline,
-                             {"model": args.model, "dtype": args.dtype, "max_batch": args.max_batch,
-                              "max_seq_len": args.max_seq_len}, api_key=args.api_key, warm=warm)
-        try:
-            table = asyncio.run(run_bench(targets, turns, config))
-        except KeyboardInterrupt:
-            raise CliError(f"interrupted; the partial report is in {args.out}") from None
-        print(table)
-        log(f"report: {args.out / 'report.md'}, raw: {args.out / 'report.json'}")
-    finally:
-        stop_servers(targets)
+    return targets
+
+
+def _start_servers(args: argparse.Namespace, targets: list[Target], methods: list[str],
+                   configured: list[tuple[str, str]], drafters: dict[str, Path]) -> None:
+    """Waits for the endpoints in `targets`, then starts a server per method and per configuration, each
+    added to `targets` as soon as it runs (so that a failure stops those already started). One server at
+    a time: each profiles its passes at start (adaptive verification, the predicted speedup), which
+    another server loading beside it would distort."""
+    from specstand.bench.run import FIXED, start_server, wait_ready
+
+    for target in targets:
+        wait_ready(target)
+    for method in methods:
+        targets.append(start_server(method, args.model, args.k, args.max_batch, args.dtype, args.max_seq_len,
+                                    drafters.get(method.removesuffix(FIXED))))
+        wait_ready(targets[-1])
+    for name, text in configured:
+        targets.append(start_server(name, args.model, None, args.max_batch, args.dtype, args.max_seq_len,
+                                    speculative_config=text))
+        wait_ready(targets[-1])
+
+
+def _bench_config(args: argparse.Namespace, users: list[int], warm: tuple[str, ...],
+                  targets: list[Target]) -> BenchConfig:
+    from specstand.bench.run import BenchConfig
+
+    baseline = args.baseline or targets[0].name
+    if baseline not in [t.name for t in targets]:
+        raise CliError(f"--baseline {baseline!r} is not one of the targets")
+    return BenchConfig(str(args.workload), users, args.repeats, args.out, baseline,
+                       {"model": args.model, "dtype": args.dtype, "max_batch": args.max_batch,
+                        "max_seq_len": args.max_seq_len}, api_key=args.api_key, warm=warm)
 
 
 def _exit_on_sigterm(signum: int, _frame) -> None:

@@ -1,7 +1,8 @@
 """Drafters, one file per method, all behind `Drafter` (base.py).
 
 Training-free: ngram.py, suffix.py, and schema.py (the text a request's tools and response format force,
-else suffix drafts; it writes with the target's tokenizer, and json_reader.py follows the answer's text).
+else suffix drafts; it writes with the target's tokenizer, json_reader.py follows the answer's text and
+json_parts.py holds what the reader reads from the request and the prompt).
 Trained (their weights come from `specstand train`): eagle3.py and mtp.py (both token-by-token, core in
 chain.py), dflash.py (one pass per block) and its variants dspark.py (Markov + confidence heads) and
 dflash2.py (convolutions + candidate selector); trained.py loads them.

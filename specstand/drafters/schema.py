@@ -1,26 +1,5 @@
-"""Schema drafting: the text a tool call's structure forces, as the target's tokenizer writes it.
-
-Per request, the tools and response format (or a tools list found in the prompt) give an `AnswerReader`
-(json_reader.py) that follows the answer's text. Where the next text is forced (`{"name": "`, the rest of a
-unique function name, `", "arguments": {"`, required keys, enum values, closing braces and tags), the
-drafter drafts its tokens with confidence 1.0. Where several function names (or enum values) remain, it drafts
-the one whose words the prompt speaks of outside the tool definitions; where an optional argument may follow,
-the next in schema order; inside a date or time whose description spells its layout (`YYYY-MM-DD`, `HH:MM`),
-the separators and, after its last digit, the closing quote. Inside free values (strings, numbers) and
-wherever the text has another choice it drafts by suffix decoding over the prompt, the conversation and earlier
-answers (a composed `SuffixDrafter`, whose path probabilities are the confidence), its guesses held to what
-fits the schema. A value whose first characters begin a word of the prompt's text is copied by that text (the
-prompt may split the word into other tokens than the answer does, where suffix decoding finds no match). A
-guess is drafted with the forced text after it. They take turns within a draft: suffix decoding goes on after
-forced tokens, and its guess gives way where the structure forces other text (past a copied value, the
-schema's next key). Training-free and lossless like every drafter: an answer that leaves the schema only makes
-the forced drafts stop.
-
-Tokens: a BPE token may span the end of the answer so far and the start of the forced text, or the end of
-the forced text and what follows. So the answer's last few tokens are decoded and encoded again with the
-forced text behind them; where the encoding gives back those very tokens, the tokens after them are the
-forced text's, and only those that stay the same whatever character follows the forced text are drafted.
-"""
+"""Schema drafting: the text a tool call's structure forces, as the target's tokenizer writes it (how it works:
+docs/drafters.md, section Schema drafting)."""
 
 from __future__ import annotations
 
@@ -29,18 +8,16 @@ from dataclasses import dataclass, field, replace
 from typing import Protocol
 
 from specstand.drafters.base import Draft, Drafter, DraftingContext, HiddenRows, MethodSpec, SequenceView
-from specstand.drafters.json_reader import (
+from specstand.drafters.json_parts import (
     BREAKS,
     FITS,
-    AnswerReader,
-    Forced,
     answer_structure,
     copied_value,
-    forced_text,
     layout_rest,
     mentions,
     ranked_choice,
 )
+from specstand.drafters.json_reader import AnswerReader, Forced, forced_text
 from specstand.drafters.suffix import Keep, SuffixConfig, SuffixDrafter
 
 # samples of what may follow forced text where the structure does not say: no token of the text that one of
@@ -92,7 +69,7 @@ class _Answer:
 
     reader: AnswerReader
     prompt: str  # the prompt's text, where values are copied from
-    spoken: Counter  # the words the prompt speaks of outside the tool definitions (json_reader.mentions)
+    spoken: Counter  # the words the prompt speaks of outside the tool definitions (json_parts.mentions)
     called: Counter  # the functions the prompt's earlier calls named
     text: str = ""
 

@@ -13,7 +13,7 @@ import logging
 import random
 import time
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -21,12 +21,13 @@ from specstand.drafters import Draft, Drafter, HiddenRows, SequenceView
 from specstand.engine.adaptive import AdaptiveVerifier, PassCost, profile_pass_cost
 from specstand.engine.prefix_cache import PrefixCache, common_prefix
 from specstand.engine.request import GenerationResult, Request, StepEvent
+from specstand.engine.running import Running, Work
 from specstand.engine.stats import DecodeStats, EngineTimes
 from specstand.runner import PassInput, PassOutput, TargetRunner
 from specstand.runner.exactness import row_unit
 from specstand.runner.runner import PREFILL_BLOCK, PROMPT_CHUNK
-from specstand.runner.transformer import DecoderModel
-from specstand.verification import Verdict, target_probs, verify_greedy, verify_sampled
+from specstand.runner.target import TargetModel
+from specstand.verification import Verdict, verify
 
 logger = logging.getLogger(__name__)
 
@@ -56,45 +57,8 @@ class ExactnessError(RuntimeError):
     pass
 
 
-@dataclass
-class _Work:
-    """One request's rows in a shared pass: a draft to verify, or (draft None) a chunk of its prompt."""
-
-    request_id: int
-    state: _Running
-    tokens: list[int]
-    draft: Draft | None
-
-    @property
-    def last_of_prompt(self) -> bool:
-        return self.draft is None and self.state.prompt_done + len(self.tokens) == self.state.seq.prompt_len
-
-
-@dataclass
-class _Running:
-    request: Request
-    seq: SequenceView
-    slot: int
-    generator: torch.Generator
-    stats: DecodeStats
-    prompt_done: int = 0  # prompt positions whose K/V are cached; the request decodes once all are
-    prompt_taps: list[dict[int, torch.Tensor]] = field(default_factory=list)  # tapped rows of those, in order
-    # tapped hidden rows of the positions its decode passes kept, in order (kept only where a finished
-    # request's answer stays reusable: see Engine._reuse_answers)
-    answer_taps: list[dict[int, torch.Tensor]] = field(default_factory=list)
-    drafted_upto: int = 0  # its length when the drafter was last asked for it (what the drafter has read)
-
-    @property
-    def decoding(self) -> bool:
-        return self.prompt_done == self.seq.prompt_len
-
-    @property
-    def emitted(self) -> int:
-        return len(self.seq.token_ids) - self.seq.prompt_len
-
-
 class Engine:
-    def __init__(self, model: DecoderModel, drafter: Drafter | None, config: EngineConfig) -> None:
+    def __init__(self, model: TargetModel, drafter: Drafter | None, config: EngineConfig) -> None:
         self.config = config
         self.drafter = drafter
         self.runner = TargetRunner(model, config.max_batch, config.max_seq_len)
@@ -124,7 +88,7 @@ class Engine:
             if config.adaptive and drafter is not None else None
         )
         self._waiting: deque[tuple[int, Request, float]] = deque()  # (id, request, when it was added)
-        self._running: dict[int, _Running] = {}
+        self._running: dict[int, Running] = {}
         self._next_id = 0
 
     @property
@@ -199,7 +163,7 @@ class Engine:
         self.times.other += time.perf_counter() - started - (self.times.accounted - timed)
         return events
 
-    def _drafted_work(self, events: list[StepEvent]) -> list[_Work]:
+    def _drafted_work(self, events: list[StepEvent]) -> list[Work]:
         """Every decoding request's rows for this pass: its pending token and its draft (cut to its share
         of the budget under adaptive verification)."""
         decoding = [(request_id, state) for request_id, state in self._running.items() if state.decoding]
@@ -218,9 +182,12 @@ class Engine:
             contexts = [len(state.seq.token_ids) - 1 for _, state, _ in proposals]  # cached positions
             drafts = self._adaptive.trim([draft for _, _, draft in proposals], contexts, [r for r, _, _ in proposals])
             proposals = [(r, state, draft) for (r, state, _), draft in zip(proposals, drafts, strict=True)]
-        return [_Work(r, state, [state.seq.token_ids[-1], *draft.tokens], draft) for r, state, draft in proposals]
+            unpaid = not self._adaptive.drafting_pays
+            for _, state, _ in proposals:  # its drafter ran this step, and the step did not pay
+                state.stats.probes += unpaid and state.drafted_upto == len(state.seq.token_ids)
+        return [Work(r, state, [state.seq.token_ids[-1], *draft.tokens], draft) for r, state, draft in proposals]
 
-    def _timed_pass(self, work: list[_Work], events: list[StepEvent]) -> list[tuple[_Work, PassOutput]]:
+    def _timed_pass(self, work: list[Work], events: list[StepEvent]) -> list[tuple[Work, PassOutput]]:
         """The shared pass, its time split between prompt and decode rows by their count; a pass of decode
         rows only also tells adaptive verification what it cost."""
         started = time.perf_counter()
@@ -236,8 +203,8 @@ class Engine:
             self._adaptive.pass_cost.observe(rows, seconds, keys)
         return done
 
-    def _verified(self, request_id: int, state: _Running, draft: Draft, output: PassOutput) -> StepEvent:
-        verdict = self._verify(state, draft, output.logits)
+    def _verified(self, request_id: int, state: Running, draft: Draft, output: PassOutput) -> StepEvent:
+        verdict = verify(draft.tokens, draft.probs, output.logits, state.request.sampling, state.generator)
         if self._adaptive is not None:
             self._adaptive.observe(draft, verdict.accepted, request_id)
         cache_start = len(state.seq.token_ids) - 1
@@ -247,14 +214,14 @@ class Engine:
             state.answer_taps.append(hidden.taps)
         return self._emit(request_id, state, verdict, len(draft.tokens), hidden)
 
-    def _prompt_chunks(self) -> list[_Work]:
+    def _prompt_chunks(self) -> list[Work]:
         """Up to PROMPT_CHUNK rows of the prompts still being computed, oldest request first."""
         chunks, budget = [], PROMPT_CHUNK
         for request_id, state in self._running.items():
             if state.decoding or budget == 0:
                 continue
             tokens = state.seq.token_ids[state.prompt_done : min(state.seq.prompt_len, state.prompt_done + budget)]
-            chunks.append(_Work(request_id, state, tokens, None))
+            chunks.append(Work(request_id, state, tokens, None))
             budget -= len(tokens)
         return chunks
 
@@ -273,7 +240,7 @@ class Engine:
                 events.append(self._fail(request_id, state, error))
         return events
 
-    def _prompt_progress(self, request_id: int, state: _Running, output: PassOutput) -> list[StepEvent]:
+    def _prompt_progress(self, request_id: int, state: Running, output: PassOutput) -> list[StepEvent]:
         """Record a computed stretch of a prompt; after its last, emit the first answer token."""
         state.prompt_done = self.runner.cache.lengths[state.slot]
         slot, prompt = state.slot, state.seq.token_ids[: state.seq.prompt_len]
@@ -284,10 +251,10 @@ class Engine:
         self.prefix_cache.computed(slot, prompt[: state.prompt_done], taps)  # later prompts may reuse it already
         if not state.decoding:
             return []
-        verdict = self._verify(state, Draft([]), output.logits)
+        verdict = verify([], None, output.logits, state.request.sampling, state.generator)
         return [self._emit(request_id, state, verdict, 0, HiddenRows(0, self.prefix_cache.taps(slot)))]
 
-    def _pass(self, work: list[_Work], events: list[StepEvent]) -> list[tuple[_Work, PassOutput]]:
+    def _pass(self, work: list[Work], events: list[StepEvent]) -> list[tuple[Work, PassOutput]]:
         """One target pass over every request's rows: [(work, output)]. If it raises, each request gets a
         pass of its own (a row computes the same either way), so that a request whose rows cannot be
         computed fails alone (its event appended to `events`)."""
@@ -307,7 +274,7 @@ class Engine:
                 events.append(self._fail(item.request_id, item.state, error))
         return done
 
-    def _run(self, work: list[_Work]) -> list[PassOutput]:
+    def _run(self, work: list[Work]) -> list[PassOutput]:
         rows = max(len(item.tokens) for item in work)
         width = -(-rows // self.row_unit) * self.row_unit  # row_unit is 1 or >= self.width
         inputs = [
@@ -339,7 +306,7 @@ class Engine:
         finally:
             self.runner.cache.release(slot)
 
-    def _fail(self, request_id: int, state: _Running, error: Exception) -> StepEvent:
+    def _fail(self, request_id: int, state: Running, error: Exception) -> StepEvent:
         """Finish one request with its error and free its slot."""
         self._running.pop(request_id, None)
         self.prefix_cache.forget(state.slot)
@@ -366,7 +333,7 @@ class Engine:
             stats = DecodeStats(prompt_tokens=len(request.prompt_ids), cached_prompt_tokens=placed.reused,
                                 stored_prompt_tokens=placed.from_store,
                                 queue_seconds=time.perf_counter() - queued_at)
-            state = _Running(
+            state = Running(
                 request=request,
                 seq=SequenceView(request_id, list(request.prompt_ids), len(request.prompt_ids),
                                  request.sampling.temperature, request.tools, request.response_format),
@@ -395,7 +362,7 @@ class Engine:
         # the cheap bound first: cached_length scans every slot's head and the store
         return coming >= PREFILL_BLOCK and coming - self.prefix_cache.cached_length(prompt) >= PREFILL_BLOCK
 
-    def _probed(self, states: list[_Running]) -> int | None:
+    def _probed(self, states: list[Running]) -> int | None:
         """The one request a probe drafts for, or None (all of them). A drafter that reads the target's
         hidden rows first catches up on every row it missed, a whole new prompt or the tokens of a pause:
         probing every running request would cost that many catch-ups for outcomes that one request gives.
@@ -405,7 +372,7 @@ class Engine:
             return None
         return min(range(len(states)), key=lambda i: len(states[i].seq.token_ids) - states[i].drafted_upto)
 
-    def _propose(self, states: list[_Running], only: int | None = None) -> list[Draft | Exception]:
+    def _propose(self, states: list[Running], only: int | None = None) -> list[Draft | Exception]:
         """Every decoding request's draft (or request `only`'s alone), in one drafter call (block drafters
         batch their passes); if that call fails, each request is asked alone, so a failure costs only the
         request it belongs to."""
@@ -421,6 +388,7 @@ class Engine:
         for state, budget in zip(states, budgets, strict=True):
             if budget > 0:
                 state.drafted_upto = len(state.seq.token_ids)
+                state.stats.drafter_runs += 1
         started = time.perf_counter()
         try:
             drafts: list[Draft | Exception] = list(self.drafter.propose_many([s.seq for s in states], budgets))
@@ -438,14 +406,7 @@ class Engine:
         except Exception as error:  # noqa: BLE001
             return error
 
-    @staticmethod
-    def _verify(state: _Running, draft: Draft, logits: torch.Tensor) -> Verdict:
-        params = state.request.sampling
-        if params.greedy:
-            return verify_greedy(draft.tokens, logits)
-        return verify_sampled(draft.tokens, draft.probs, target_probs(logits, params), state.generator)
-
-    def _emit(self, request_id: int, state: _Running, verdict: Verdict, drafted: int, hidden: HiddenRows) -> StepEvent:
+    def _emit(self, request_id: int, state: Running, verdict: Verdict, drafted: int, hidden: HiddenRows) -> StepEvent:
         request = state.request
         tokens = verdict.tokens[: request.max_tokens - state.emitted]
         stop_at = next((i for i, t in enumerate(tokens) if t in request.stop_token_ids), None)
@@ -470,7 +431,7 @@ class Engine:
         )
         return StepEvent(request_id, tokens, result)
 
-    def _release(self, state: _Running) -> None:
+    def _release(self, state: Running) -> None:
         """Free a finished or aborted request's slot. Where answers are reusable, the slot keeps its prompt
         and answer as a cached head (positions below the cache length hold the K/V of those tokens)."""
         self.prefix_cache.release(state.slot, state.seq.token_ids, state.answer_taps)

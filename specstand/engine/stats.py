@@ -9,6 +9,8 @@ from dataclasses import asdict, dataclass, field
 class DecodeStats:
     target_passes: int = 0  # every pass that emitted tokens: the prefill and each decode/verify step
     passes_with_draft: int = 0
+    drafter_runs: int = 0  # steps its drafter proposed for it (a draft cut to nothing still cost the run)
+    probes: int = 0  # of those, steps adaptive verification found slower than plain decoding would have been
     drafted_tokens: int = 0
     accepted_tokens: int = 0
     emitted_tokens: int = 0
@@ -36,7 +38,8 @@ class DecodeStats:
             self.accepted_per_position[i] += 1
 
     def merge(self, other: DecodeStats) -> None:
-        for name in ("target_passes", "passes_with_draft", "drafted_tokens", "accepted_tokens", "emitted_tokens",
+        for name in ("target_passes", "passes_with_draft", "drafter_runs", "probes",
+                     "drafted_tokens", "accepted_tokens", "emitted_tokens",
                      "prompt_tokens", "cached_prompt_tokens", "stored_prompt_tokens", "draft_seconds", "queue_seconds"):
             setattr(self, name, getattr(self, name) + getattr(other, name))
         for mine, theirs in ((self.drafted_per_position, other.drafted_per_position),

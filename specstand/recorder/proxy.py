@@ -24,6 +24,7 @@ import os
 import queue
 import threading
 import time
+from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -176,15 +177,11 @@ def create_recorder(upstream: str, out: Path, turn_idle_s: float = 30.0, timeout
     client = httpx.AsyncClient(base_url=upstream.rstrip("/"), timeout=timeout_s)
     writer = TurnWriter(out)
     recording = Recording(writer, turn_idle_s)
-
-    async def flush_idle_turns() -> None:
-        while True:
-            await asyncio.sleep(min(1.0, turn_idle_s / 2))
-            recording.flush()
+    proxy = _Proxy(client, upstream, recording)
 
     @asynccontextmanager
     async def lifespan(_: FastAPI):
-        flusher = asyncio.create_task(flush_idle_turns())
+        flusher = asyncio.create_task(_flush_idle_turns(recording))
         yield
         flusher.cancel()
         recording.flush(everything=True)
@@ -194,87 +191,117 @@ def create_recorder(upstream: str, out: Path, turn_idle_s: float = 30.0, timeout
     app = FastAPI(title="specstand recorder", docs_url=None, redoc_url=None, lifespan=lifespan)
     app.state.recording = recording
 
-    async def _upstream(request: httpx.Request, stream: bool = False) -> httpx.Response | JSONResponse:
-        """The upstream's reply, or the 504/502 a client gets when it times out or cannot be reached."""
-        try:
-            return await client.send(request, stream=stream)
-        except httpx.TimeoutException:
-            return _error(504, f"upstream {upstream} timed out", "upstream_timeout")
-        except httpx.HTTPError as error:
-            return _error(502, f"upstream {upstream} unreachable: {type(error).__name__}", "upstream_error")
-
     @app.get("/v1/models")
     async def models(request: Request) -> Response:
-        reply = await _upstream(client.build_request("GET", "/v1/models", headers=forwarded_headers(request.headers)))
-        if isinstance(reply, JSONResponse):
-            return reply
-        return Response(reply.content, reply.status_code, media_type=reply.headers.get("content-type"))
+        return await proxy.models(request)
 
     @app.post("/v1/chat/completions")
     async def chat(request: Request) -> Response:
-        return await _forward(request, "/v1/chat/completions", chat=True)
+        return await proxy.forward(request, "/v1/chat/completions", chat=True)
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
-        return await _forward(request, "/v1/completions", chat=False)
+        return await proxy.forward(request, "/v1/completions", chat=False)
 
-    async def _forward(request: Request, path: str, chat: bool) -> Response:
+    return app
+
+
+async def _flush_idle_turns(recording: Recording) -> None:
+    while True:
+        await asyncio.sleep(min(1.0, recording.turn_idle_s / 2))
+        recording.flush()
+
+
+def _relayed(reply: httpx.Response) -> Response:
+    return Response(reply.content, reply.status_code, media_type=reply.headers.get("content-type"))
+
+
+class _Proxy:
+    """The recorder's routes' work: a client's request sent upstream, the reply relayed as it came, and the
+    call recorded once its answer is complete."""
+
+    def __init__(self, client: httpx.AsyncClient, upstream: str, recording: Recording) -> None:
+        self.client = client
+        self.upstream = upstream
+        self.recording = recording
+
+    async def send(self, request: httpx.Request, stream: bool = False) -> httpx.Response | JSONResponse:
+        """The upstream's reply, or the 504/502 a client gets when it times out or cannot be reached."""
+        try:
+            return await self.client.send(request, stream=stream)
+        except httpx.TimeoutException:
+            return _error(504, f"upstream {self.upstream} timed out", "upstream_timeout")
+        except httpx.HTTPError as error:
+            return _error(502, f"upstream {self.upstream} unreachable: {type(error).__name__}", "upstream_error")
+
+    async def models(self, request: Request) -> Response:
+        reply = await self.send(self.client.build_request("GET", "/v1/models",
+                                                          headers=forwarded_headers(request.headers)))
+        if isinstance(reply, JSONResponse):
+            return reply
+        return _relayed(reply)
+
+    async def forward(self, request: Request, path: str, chat: bool) -> Response:
         try:
             body = json.loads(await request.body())
         except (json.JSONDecodeError, UnicodeDecodeError):
             return _error(400, "body is not valid JSON", "invalid_request_error")
         if not isinstance(body, dict):
             return _error(400, "body must be a JSON object", "invalid_request_error")
-        turn = recording.turn_for(request.headers)
+        turn = self.recording.turn_for(request.headers)
         start = time.time()
         stream = bool(body.get("stream"))
-        outgoing = client.build_request("POST", path, json=body, headers=forwarded_headers(request.headers))
-        reply = await _upstream(outgoing, stream=stream)
+        outgoing = self.client.build_request("POST", path, json=body, headers=forwarded_headers(request.headers))
+        reply = await self.send(outgoing, stream=stream)
         if isinstance(reply, JSONResponse):
-            recording.done(turn)
+            self.recording.done(turn)
             return reply
         if stream:
-            return await _stream(reply, body, chat, turn, request.headers, start)
+            return await self._stream(reply, body, chat, turn, request.headers, start)
         try:
             if reply.status_code == 200:
-                choice = reply.json()["choices"][0]
-                answer = choice["message"].get("content") if chat else choice["text"]
-                calls = [_call_of(c) for c in (choice["message"].get("tool_calls") or [])] if chat else []
-                recording.add(turn, body, request.headers, start, time.time(), answer or "", calls)
+                self._record_answer(reply, body, chat, turn, request.headers, start)
         except (ValueError, KeyError, IndexError, TypeError, AttributeError):
             pass  # relayed as it came; an answer we cannot read is not recorded
         finally:
-            recording.done(turn)
-        return Response(reply.content, reply.status_code, media_type=reply.headers.get("content-type"))
+            self.recording.done(turn)
+        return _relayed(reply)
 
-    async def _stream(reply: httpx.Response, body: dict, chat: bool, turn: _TurnLog, incoming,
+    def _record_answer(self, reply: httpx.Response, body: dict, chat: bool, turn: _TurnLog, incoming,
+                       start: float) -> None:
+        choice = reply.json()["choices"][0]
+        answer = choice["message"].get("content") if chat else choice["text"]
+        calls = [_call_of(c) for c in (choice["message"].get("tool_calls") or [])] if chat else []
+        self.recording.add(turn, body, incoming, start, time.time(), answer or "", calls)
+
+    async def _stream(self, reply: httpx.Response, body: dict, chat: bool, turn: _TurnLog, incoming,
                       start: float) -> Response:
         if reply.status_code != 200:  # an error is relayed with its own status, not as a 200 stream
             content = await reply.aread()
             await reply.aclose()
-            recording.done(turn)
+            self.recording.done(turn)
             return Response(content, reply.status_code, media_type=reply.headers.get("content-type"))
+        relay = self._relay(reply, body, chat, turn, incoming, start)
+        return StreamingResponse(relay, media_type=reply.headers.get("content-type", "text/event-stream"))
 
-        async def relay():
-            answer = _StreamedAnswer(chat)
-            complete = False
-            try:
-                async for line in reply.aiter_lines():
-                    if line == "data: [DONE]":
-                        complete = True
-                    elif line.startswith("data: "):
-                        answer.add(line[6:])
-                    yield line + "\n"
-            finally:
-                await reply.aclose()
-                if complete:
-                    recording.add(turn, body, incoming, start, time.time(), "".join(answer.parts),
-                                  answer.tool_calls())
-                recording.done(turn)
-
-        return StreamingResponse(relay(), media_type=reply.headers.get("content-type", "text/event-stream"))
-
-    return app
+    async def _relay(self, reply: httpx.Response, body: dict, chat: bool, turn: _TurnLog, incoming,
+                     start: float) -> AsyncIterator[str]:
+        """The stream's lines as they come; the call is recorded once the stream is complete ([DONE])."""
+        answer = _StreamedAnswer(chat)
+        complete = False
+        try:
+            async for line in reply.aiter_lines():
+                if line == "data: [DONE]":
+                    complete = True
+                elif line.startswith("data: "):
+                    answer.add(line[6:])
+                yield line + "\n"
+        finally:
+            await reply.aclose()
+            if complete:
+                self.recording.add(turn, body, incoming, start, time.time(), "".join(answer.parts),
+                                   answer.tool_calls())
+            self.recording.done(turn)
 
 
 def _turn_ids(path: Path) -> dict[str, int]:

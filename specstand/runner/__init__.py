@@ -2,5 +2,6 @@
 
 from specstand.runner.kv_cache import KVCache
 from specstand.runner.runner import PassInput, PassOutput, TargetRunner
+from specstand.runner.target import TargetModel
 
-__all__ = ["KVCache", "PassInput", "PassOutput", "TargetRunner"]
+__all__ = ["KVCache", "PassInput", "PassOutput", "TargetModel", "TargetRunner"]

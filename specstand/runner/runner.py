@@ -9,7 +9,8 @@ import torch
 
 from specstand.runner.compiled import CompiledDecoder
 from specstand.runner.kv_cache import PREFILL_BLOCK
-from specstand.runner.transformer import ATTENTION_BUCKET, DecoderModel
+from specstand.runner.target import TargetModel
+from specstand.runner.transformer import ATTENTION_BUCKET
 
 # Rows per compiled prompt pass: the linears then stream their weights once for many rows, and only the
 # last pass of a prompt computes logits (one row).
@@ -34,8 +35,8 @@ class PassOutput:
 
 
 class TargetRunner:
-    def __init__(self, model: DecoderModel, num_slots: int, capacity: int) -> None:
-        """`model`: a DecoderModel or any forward with its interface (HybridModel, TransformersModel)."""
+    def __init__(self, model: TargetModel, num_slots: int, capacity: int) -> None:
+        """`model`: DecoderModel, HybridModel or TransformersModel (runner/target.py)."""
         if capacity > model.max_positions:
             raise ValueError(f"cache capacity {capacity} exceeds the model's {model.max_positions} positions")
         self.model = model

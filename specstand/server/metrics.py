@@ -26,6 +26,9 @@ class ServerMetrics:
             "vllm:spec_decode_num_accepted_tokens_per_pos", "Accepted draft tokens per draft position.", ("position",)
         )
         self.target_passes = counter("specstand:target_passes", "All target passes that emitted tokens.")
+        self.drafter_runs = counter("specstand:drafter_runs", "Steps a drafter proposed for a request.")
+        self.probes = counter("specstand:probes", "Drafter runs in steps that adaptive verification found slower "
+                              "than plain decoding (probes: how it learns that drafting does not pay).")
         self.passes_without_draft = counter("specstand:passes_without_draft", "Target passes that had no draft.")
         self.emitted_tokens = counter("specstand:emitted_tokens", "Tokens emitted by the engine.")
         self.cached_prompt_tokens = counter("specstand:cached_prompt_tokens", "Prompt positions reused from cache.")
@@ -67,6 +70,8 @@ class ServerMetrics:
             self.accepted_per_pos.labels(m, str(position)).inc(count)
         self.target_passes.labels(m).inc(stats.target_passes)
         self.passes_without_draft.labels(m).inc(stats.target_passes - stats.passes_with_draft)
+        self.drafter_runs.labels(m).inc(stats.drafter_runs)
+        self.probes.labels(m).inc(stats.probes)
         self.emitted_tokens.labels(m).inc(stats.emitted_tokens)
         self.cached_prompt_tokens.labels(m).inc(stats.cached_prompt_tokens)
         self.prompt_tokens.labels(m).inc(stats.prompt_tokens)

@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 import random
 import time
-from dataclasses import asdict
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
@@ -25,7 +25,7 @@ from specstand.drafters.trained import build_model, drafter_state, save_drafter,
 from specstand.files import write_atomic
 from specstand.models import LoadedModel
 from specstand.training.config import TrainConfig
-from specstand.training.data import load_datasets, subset_turn
+from specstand.training.data import TrainRow, load_datasets, subset_turn
 from specstand.training.distributed import World
 from specstand.training.features import Pack, TargetFeatures, pack_rows, plan_packs
 from specstand.training.losses import target_to_draft
@@ -196,80 +196,134 @@ def train(
     random.seed(config.seed)
     out = Path(config.out)
     out.mkdir(parents=True, exist_ok=True)
-    meta, rows = load_datasets([Path(folder) for folder in config.data])
-    rows = [r for r in rows if r.split == "train" and r.response_ids and subset_turn(r.turn_id, config.data_fraction)]
-    if not rows:
-        raise ValueError(f"{', '.join(config.data)} holds no training rows with a response"
-                         + (f" in a {config.data_fraction} share of its turns" if config.data_fraction < 1 else ""))
-    state_path = out / TRAINER_STATE
-    state = _load_state(state_path, config)
-    if state is not None:
-        spec = DrafterSpec.from_json(state["spec"])
-        draft_ids = state["model"]["d2t"]
-    else:
-        responses = [r.response_ids for r in rows]
-        spec = make_spec(config, target, pick_mask_token(target, responses))
-        draft_ids = draft_vocabulary(responses, config.draft_vocab_size, spec.target_vocab_size)
-        spec.draft_vocab_size = len(draft_ids)
+    meta, rows = _training_rows(config)
+    state = _load_state(out / TRAINER_STATE, config)
+    spec, draft_ids = _spec_and_vocabulary(config, target, rows, state)
     weights = target.decoder.weights
     model = build_model(spec, TargetParts(weights.embed_tokens, weights.lm_head), draft_ids)
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=config.lr,
                                   betas=(0.9, 0.95), weight_decay=config.weight_decay)
-    start, running_q, elapsed = 0, torch.zeros(max(getattr(model, "num_drafts", 1), 1)), 0.0
+    run = _Run(config, out, meta, rows, spec, model, optimizer, world,
+               running_q=torch.zeros(max(getattr(model, "num_drafts", 1), 1)))
     if state is not None:
         model.load_state_dict(state["model"], strict=False)
         optimizer.load_state_dict(state["optimizer"])
-        start, running_q, elapsed = state["step"], state["running_q"], state["elapsed_s"]
-        log(f"resuming {spec.method} from step {start} of {config.steps} ({out / TRAINER_STATE})")
+        run.start, run.running_q, run.elapsed = state["step"], state["running_q"], state["elapsed_s"]
+        log(f"resuming {spec.method} from step {run.start} of {config.steps} ({out / TRAINER_STATE})")
     t2d = target_to_draft(draft_ids, spec.target_vocab_size)
     max_len = min(config.max_len, target.decoder.max_positions)
     features = features or TargetFeatures(target.decoder, spec.tap_layers, max_len)
     if not set(spec.tap_layers) <= set(features.tap_layers):
         raise ValueError(f"the shared target features tap {features.tap_layers}, not {spec.tap_layers}")
-    lengths = [min(len(r.prompt_ids) + len(r.response_ids), max_len) for r in rows]
-    schedule: list[list[int]] = []
-    epoch = 0
-    while len(schedule) < config.steps:  # a pure function of the seed: resuming replays the same order
-        order = torch.randperm(len(rows), generator=torch.Generator().manual_seed(config.seed * 7919 + epoch)).tolist()
-        schedule += plan_packs(lengths, config.pack_tokens, order)
-        epoch += 1
+    schedule = _schedule(config, [min(len(r.prompt_ids) + len(r.response_ids), max_len) for r in rows])
     model.train()
     objective = _Objective(model, t2d, config)
     if world.size > 1:  # averages the gradients over ranks in backward
         objective = torch.nn.parallel.DistributedDataParallel(objective, find_unused_parameters=True)
-    train_log = _TrainLog(out / TRAIN_LOG, start) if world.main else None
-    began = time.perf_counter() - elapsed
-    bar = tqdm(range(start, config.steps), initial=start, total=config.steps, desc=f"train {spec.method}",
-               disable=not world.main)
-    for step in bar:
+    run.steps(objective, schedule, features)
+    model.eval()
+    return model
+
+
+def _training_rows(config: TrainConfig) -> tuple[dict, list[TrainRow]]:
+    """The data sets' metadata and their training rows with a response, in the configured share of turns."""
+    meta, rows = load_datasets([Path(folder) for folder in config.data])
+    rows = [r for r in rows if r.split == "train" and r.response_ids and subset_turn(r.turn_id, config.data_fraction)]
+    if not rows:
+        raise ValueError(f"{', '.join(config.data)} holds no training rows with a response"
+                         + (f" in a {config.data_fraction} share of its turns" if config.data_fraction < 1 else ""))
+    return meta, rows
+
+
+def _spec_and_vocabulary(config: TrainConfig, target: LoadedModel, rows: list[TrainRow],
+                         state: dict | None) -> tuple[DrafterSpec, torch.Tensor]:
+    """The drafter's spec and draft vocabulary (draft id -> target id): a resumed run's own, else made
+    from the target and the rows' responses."""
+    if state is not None:
+        return DrafterSpec.from_json(state["spec"]), state["model"]["d2t"]
+    responses = [r.response_ids for r in rows]
+    spec = make_spec(config, target, pick_mask_token(target, responses))
+    draft_ids = draft_vocabulary(responses, config.draft_vocab_size, spec.target_vocab_size)
+    spec.draft_vocab_size = len(draft_ids)
+    return spec, draft_ids
+
+
+def _schedule(config: TrainConfig, lengths: list[int]) -> list[list[int]]:
+    """The rows of every step, packed epoch after epoch: a pure function of the seed, so resuming replays
+    the same order."""
+    schedule: list[list[int]] = []
+    epoch = 0
+    while len(schedule) < config.steps:
+        generator = torch.Generator().manual_seed(config.seed * 7919 + epoch)
+        order = torch.randperm(len(lengths), generator=generator).tolist()
+        schedule += plan_packs(lengths, config.pack_tokens, order)
+        epoch += 1
+    return schedule
+
+
+@dataclass
+class _Run:
+    """A run's drafter, optimizer and rows, and where its steps stand: what a checkpoint saves."""
+
+    config: TrainConfig
+    out: Path
+    meta: dict
+    rows: list[TrainRow]
+    spec: DrafterSpec
+    model: torch.nn.Module
+    optimizer: torch.optim.Optimizer
+    world: World
+    running_q: torch.Tensor
+    start: int = 0
+    elapsed: float = 0.0
+
+    def steps(self, objective: torch.nn.Module, schedule: list[list[int]], features: TargetFeatures) -> None:
+        """The steps from `start` on; rank 0 logs each and saves every `save_every` and at the end."""
+        config, world = self.config, self.world
+        train_log = _TrainLog(self.out / TRAIN_LOG, self.start) if world.main else None
+        began = time.perf_counter() - self.elapsed
+        bar = tqdm(range(self.start, config.steps), initial=self.start, total=config.steps,
+                   desc=f"train {self.spec.method}", disable=not world.main)
+        for step in bar:
+            mean_loss, accepted = self._step(objective, step, schedule[step], features)
+            bar.set_postfix_str(f"loss {mean_loss:.3f} accepted@pos {' '.join(f'{a:.2f}' for a in accepted.tolist())}")
+            if train_log is not None:
+                train_log.append(step + 1, float(mean_loss), accepted.tolist())
+            if world.main and ((step + 1) % config.save_every == 0 or step + 1 == config.steps):
+                self._save(step + 1, accepted, began)
+        if train_log is not None and self.start < config.steps:
+            train_log.plot(self.out / TRAIN_PLOT)
+
+    def _save(self, steps: int, accepted: torch.Tensor, began: float) -> None:
+        """A checkpoint after `steps` steps, its card's figures in the spec."""
+        self.spec.trained = {"data": self.meta, "steps": steps, "train_rows": len(self.rows),
+                             "seconds": round(time.perf_counter() - began, 1),
+                             "last_accepted_per_position": [round(a, 3) for a in accepted.tolist()],
+                             **self.config.extra}
+        _save_state(self.out, self.model, self.optimizer, steps, self.running_q, self.config,
+                    time.perf_counter() - began)
+
+    def _step(self, objective: torch.nn.Module, step: int, row_ids: list[int],
+              features: TargetFeatures) -> tuple[torch.Tensor, torch.Tensor]:
+        """One optimizer step; returns the loss and acceptance per position, averaged over the ranks."""
+        config, world = self.config, self.world
         # this rank's rows of the step; a rank left without one computes a row at zero weight, as every
         # rank must take part in the gradients' all-reduce
-        share = world.share(schedule[step])
-        mine = share or schedule[step][:1]
-        pack = pack_rows([features.row(rows[i].prompt_ids, rows[i].response_ids) for i in mine], spec.tap_layers)
-        for group in optimizer.param_groups:
+        share = world.share(row_ids)
+        mine = share or row_ids[:1]
+        pack = pack_rows([features.row(self.rows[i].prompt_ids, self.rows[i].response_ids) for i in mine],
+                         self.spec.tap_layers)
+        for group in self.optimizer.param_groups:
             group["lr"] = learning_rate(config, step)
         generator = torch.Generator().manual_seed(config.seed * 1_000_003 + step + world.rank * 7_919)
-        loss, q, accepted = objective(pack, generator, running_q)
+        loss, q, accepted = objective(pack, generator, self.running_q)
         if not share:
             loss = loss * 0.0
         if q is not None:
             q = world.mean(q)
-            running_q = torch.where(torch.isnan(q), running_q, 0.9 * running_q + 0.1 * q)
-        optimizer.zero_grad(set_to_none=True)
+            self.running_q = torch.where(torch.isnan(q), self.running_q, 0.9 * self.running_q + 0.1 * q)
+        self.optimizer.zero_grad(set_to_none=True)
         loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        optimizer.step()
-        mean_loss, accepted = world.mean(loss.detach()[None])[0], world.mean(accepted.detach())
-        bar.set_postfix_str(f"loss {mean_loss:.3f} accepted@pos {' '.join(f'{a:.2f}' for a in accepted.tolist())}")
-        if train_log is not None:
-            train_log.append(step + 1, float(mean_loss), accepted.tolist())
-        if world.main and ((step + 1) % config.save_every == 0 or step + 1 == config.steps):
-            spec.trained = {"data": meta, "steps": step + 1, "train_rows": len(rows), "seconds": round(
-                time.perf_counter() - began, 1), "last_accepted_per_position": [round(a, 3) for a in accepted.tolist()],
-                **config.extra}
-            _save_state(out, model, optimizer, step + 1, running_q, config, time.perf_counter() - began)
-    if train_log is not None and start < config.steps:
-        train_log.plot(out / TRAIN_PLOT)
-    model.eval()
-    return model
+        torch.nn.utils.clip_grad_norm_(self.model.parameters(), 1.0)
+        self.optimizer.step()
+        return world.mean(loss.detach()[None])[0], world.mean(accepted.detach())

@@ -14,11 +14,21 @@ from dataclasses import dataclass
 
 import torch
 
+from specstand.verification.sampling import SamplingParams, target_probs
+
 
 @dataclass
 class Verdict:
     accepted: int  # how many draft tokens were accepted
     tokens: list[int]  # the accepted draft tokens followed by one target token (correction or bonus)
+
+
+def verify(draft: list[int], draft_probs: torch.Tensor | None, logits: torch.Tensor, params: SamplingParams,
+           generator: torch.Generator) -> Verdict:
+    """The verdict on `draft` from the target's `logits` [len(draft) + 1, V] under the request's sampling."""
+    if params.greedy:
+        return verify_greedy(draft, logits)
+    return verify_sampled(draft, draft_probs, target_probs(logits, params), generator)
 
 
 def verify_greedy(draft: list[int], logits: torch.Tensor) -> Verdict:

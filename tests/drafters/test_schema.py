@@ -7,15 +7,12 @@ import json
 import pytest
 
 from specstand.drafters import SequenceView, make_drafter, method_names
-from specstand.drafters.json_reader import (
+from specstand.drafters.json_parts import (
     BREAKS,
     FITS,
     QUOTED,
-    AnswerReader,
-    Forced,
     answer_structure,
     copied_value,
-    forced_text,
     layout_rest,
     mentions,
     ranked_choice,
@@ -23,6 +20,7 @@ from specstand.drafters.json_reader import (
     value_layout,
     words,
 )
+from specstand.drafters.json_reader import AnswerReader, Forced, forced_text
 from specstand.drafters.schema import HFTextCodec, SchemaDrafter, continuation_tokens
 from specstand.engine import Engine, EngineConfig, Request
 from specstand.models.presets import is_fetched, preset_dir

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from specstand.drafters import Draft, Drafter, SequenceView, make_drafter
-from specstand.engine import Engine, EngineConfig, Request
+from specstand.engine import DecodeStats, Engine, EngineConfig, Request
 from specstand.engine import engine as engine_module
 from specstand.engine.adaptive import AcceptanceModel, AdaptiveVerifier, PassCost, choose_budget, profile_pass_cost
 from tests.conftest import FORWARDS, TRAINING_FREE, FixedCost, random_prompts, tiny_decoder
@@ -404,6 +404,23 @@ def test_a_drafter_that_is_always_wrong_costs_at_most_two_percent_of_target_time
     drafted_time, drafted_answers = _target_time(engine, prompts, cost, monkeypatch)
     assert drafted_answers == answers
     assert drafted_time <= 1.02 * plain_time
+
+
+def test_requests_count_how_often_their_drafter_ran_and_probed(monkeypatch):
+    """An always-wrong drafter: it runs in few steps (paused between probes), those runs are probes, and every
+    draft verified came from a run."""
+    cost = FixedCost([1, 2, 6, 64], [1.0, 1.08, 1.4, 8.0])
+    monkeypatch.setattr(engine_module, "profile_pass_cost", lambda *profile_args: cost)
+    model = tiny_decoder("llama", torch.float32, forward="python")
+    prompts = random_prompts(2, 30, seed=61)
+    answers = [r.output_ids for r in Engine(model, None, EngineConfig(5, 512, 1)).generate(
+        [Request(p, 128) for p in prompts])]
+    engine = Engine(model, AlwaysWrong(dict(enumerate(answers))), EngineConfig(5, 512, 1, adaptive=True))
+    stats = DecodeStats()
+    for prompt in prompts:
+        stats.merge(engine.generate([Request(prompt, 128)])[0].stats)
+    assert stats.passes_with_draft <= stats.drafter_runs < stats.target_passes / 4
+    assert 0 < stats.probes <= stats.drafter_runs
 
 
 def test_probes_that_keep_failing_come_ever_more_rarely():

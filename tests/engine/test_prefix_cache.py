@@ -10,8 +10,9 @@ import torch
 
 from specstand.drafters import make_drafter
 from specstand.engine import Engine, EngineConfig, Request
+from specstand.engine import engine as engine_module
 from specstand.engine.prefix_cache import PrefixStore
-from specstand.verification import Verdict
+from specstand.verification import Verdict, verify
 from tests.conftest import FORWARDS, RECURRENT_FAMILIES, random_prompts, tiny_hybrid
 from tests.engine.test_lossless import NUMERICS, target
 
@@ -24,21 +25,21 @@ def _engine(model, drafter=None, max_batch: int = 1, store_bytes: int = STORE, a
                                                prefix_store_bytes=store_bytes, adaptive=adaptive))
 
 
-def _logged(engine: Engine) -> list[torch.Tensor]:
-    """Every logits tensor the engine verifies against, in order (the prompt's last row, then each pass)."""
+def _logged(monkeypatch) -> list[torch.Tensor]:
+    """Every logits tensor the engine verifies against from now on, in order (a prompt's last row, then each
+    pass): call it before each engine's run, as the engines run one after the other."""
     seen: list[torch.Tensor] = []
-    verify = engine._verify
 
-    def logging_verify(state, draft, logits) -> Verdict:
+    def logging_verify(draft, draft_probs, logits, *args) -> Verdict:
         seen.append(logits.clone())
-        return verify(state, draft, logits)
+        return verify(draft, draft_probs, logits, *args)
 
-    engine._verify = logging_verify
+    monkeypatch.setattr(engine_module, "verify", logging_verify)
     return seen
 
 
 @pytest.mark.parametrize(("dtype", "forward"), NUMERICS)
-def test_a_head_from_the_store_gives_the_logits_of_a_cold_prompt(dtype, forward):
+def test_a_head_from_the_store_gives_the_logits_of_a_cold_prompt(dtype, forward, monkeypatch):
     model = target("qwen2", dtype, forward)
     head = random_prompts(1, 140, seed=31)[0]
     first, other, second = head + [3, 4, 5], random_prompts(1, 90, seed=32)[0], head + [6, 7]
@@ -46,11 +47,11 @@ def test_a_head_from_the_store_gives_the_logits_of_a_cold_prompt(dtype, forward)
     warm = _engine(model, make_drafter("ngram"), adaptive=False)
     warm.generate([Request(first, 20)])
     warm.generate([Request(other, 20)])  # takes the only slot: the head now lives in the store alone
-    logged = _logged(warm)
+    logged = _logged(monkeypatch)
     served = warm.generate([Request(second, 20)])[0]
     assert served.stats.stored_prompt_tokens == served.stats.cached_prompt_tokens == 128  # 8 or 2 whole blocks
     cold = _engine(model, make_drafter("ngram"), store_bytes=0, adaptive=False)
-    cold_logged = _logged(cold)
+    cold_logged = _logged(monkeypatch)
     computed = cold.generate([Request(second, 20)])[0]
     assert computed.stats.cached_prompt_tokens == 0
     assert served.output_ids == computed.output_ids

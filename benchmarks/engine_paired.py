@@ -25,6 +25,8 @@ from specstand.models import load_model
 from specstand.verification import SamplingParams
 from specstand.workloads import load_workload
 
+PHASES = ("prompt", "decode", "draft", "other")
+
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -51,7 +53,7 @@ def main() -> None:
     engines: dict[str, Engine] = {}
     for method in args.methods.split(","):
         name, _, flag = method.partition("@")
-        drafter = make_drafter(name, model.decoder, args.model)
+        drafter = make_drafter(name, model.decoder, args.model, tokenizer=model.tokenizer)
         config = EngineConfig(default_k(drafter, None), context, args.users, adaptive=flag != "fixed")
         engines[method] = Engine(model.decoder, drafter, config)
     bandwidth = [kernels.read_bandwidth_gbs()]
@@ -64,6 +66,9 @@ def main() -> None:
     tokens: dict[str, int] = defaultdict(int)
     passes: dict[str, int] = defaultdict(int)
     drafted: dict[str, int] = defaultdict(int)  # passes that verified a draft (adaptive verification's probes too)
+    runs: dict[str, int] = defaultdict(int)  # steps the drafter ran for a call
+    probes: dict[str, int] = defaultdict(int)  # of those, steps that did not pay
+    phases: dict[str, dict[str, float]] = defaultdict(lambda: dict.fromkeys(PHASES, 0.0))
     answers: dict[str, list[list[int]]] = defaultdict(list)
     for round_ in range(args.rounds):
         order = list(engines) if round_ % 2 == 0 else list(engines)[::-1]
@@ -72,9 +77,14 @@ def main() -> None:
             for method in order:
                 engine = engines[method]
                 engine.reset()  # every batch starts without cached prompts, on every engine
+                before = {phase: getattr(engine.times, phase) for phase in PHASES}
                 started = time.perf_counter()
                 results = engine.generate(requests[first : first + args.users])
                 totals[method] += time.perf_counter() - started
+                for phase in PHASES:
+                    phases[method][phase] += getattr(engine.times, phase) - before[phase]
+                runs[method] += sum(r.stats.drafter_runs for r in results)
+                probes[method] += sum(r.stats.probes for r in results)
                 tokens[method] += sum(len(r.output_ids) for r in results)
                 passes[method] += sum(r.stats.target_passes for r in results)
                 drafted[method] += sum(r.stats.passes_with_draft for r in results)
@@ -94,6 +104,13 @@ def main() -> None:
         say(f"{method} | {' '.join(f'{s:.2f}' for s in seconds[method])} | "
             f"{' '.join(f'x{r:.3f}' for r in ratios)} (x{statistics.median(ratios):.3f}) | "
             f"{tokens[method] / passes[method]:.2f} | {drafted[method] / passes[method]:.0%} | {same:.0%}")
+    say()
+    say("where each method's time went, seconds per round (engine counters): prompt passes, decode/verify "
+        "passes, drafting, other; drafter runs and probes that did not pay, per pass")
+    say("method | prompt | decode | draft | other | drafter runs | probes")
+    for method in engines:
+        cells = " | ".join(f"{phases[method][phase] / args.rounds:.2f}" for phase in PHASES)
+        say(f"{method} | {cells} | {runs[method] / passes[method]:.0%} | {probes[method] / passes[method]:.0%}")
     say.write(args.out)
 
 

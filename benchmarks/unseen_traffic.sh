@@ -15,4 +15,4 @@ mkdir -p "$(dirname "$WORKLOAD")"
   --max-tokens 128
 "$PY" "$ROOT/benchmarks/engine_paired.py" --workload "$WORKLOAD" --model "$MODEL" --users "${USERS:-1}" \
   --methods none,ngram,suffix,schema,eagle3,mtp,dflash,dspark,dflash2 --calls "${CALLS:-4}" \
-  --rounds "${ROUNDS:-3}" ${OUT:+--out "$OUT"}
+  --rounds "${ROUNDS:-5}" ${OUT:+--out "$OUT"}

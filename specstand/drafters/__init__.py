@@ -42,7 +42,7 @@ def make_drafter(method: str, target: DecoderModel | None = None, target_name: s
     found = read_spec(path)
     if found.method != method:
         raise DrafterLoadError(f"drafter {path} is a {found.method} drafter, not {method}")
-    return load_drafter(path, target.weights.embed_tokens, target.weights.lm_head)
+    return load_drafter(path, target.weights.embed_tokens, target.weights.lm_head, target.kernel_path)
 
 
 def trained_drafter_path(method: str, target_name: str, drafter_path: Path | None) -> Path:

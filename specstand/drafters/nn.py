@@ -194,13 +194,11 @@ class KernelLinear(nn.Module):
         return y if self.bias is None else y + self.bias
 
 
-def pack_for_inference(model: nn.Module) -> str:
-    """Run a loaded drafter's linears (and the head rows it borrows from the target) on the CPU kernels
-    where they build; returns the kernel path, or "python" (torch's fp32 linears stay)."""
-    try:
-        path = kernels.best_path()
-    except kernels.KernelsUnavailable:
-        return "python"
+def pack_for_inference(model: nn.Module, path: str) -> str:
+    """Run a loaded drafter's linears (and the head rows it borrows from the target) on kernel `path`, the
+    target's; returns it ("python": torch's fp32 linears stay)."""
+    if path == "python":
+        return path
     for module in list(model.modules()):
         for name, child in list(module.named_children()):
             if type(child) is nn.Linear:

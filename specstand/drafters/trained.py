@@ -110,10 +110,10 @@ def load_drafter_model(folder: Path, embed_tokens: torch.Tensor, lm_head: torch.
     return model.eval()
 
 
-def load_drafter(folder: Path, embed_tokens: torch.Tensor, lm_head: torch.Tensor) -> Drafter:
-    """The drafter in `folder` for inference (its linears on the CPU kernels where they build)."""
+def load_drafter(folder: Path, embed_tokens: torch.Tensor, lm_head: torch.Tensor, kernel_path: str) -> Drafter:
+    """The drafter in `folder` for inference, its linears on the target's `kernel_path` (torch's: "python")."""
     model = load_drafter_model(folder, embed_tokens, lm_head)
-    pack_for_inference(model)
+    pack_for_inference(model, kernel_path)
     return trained_parts(model.spec.method).wrap(model)
 
 

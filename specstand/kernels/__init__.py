@@ -85,6 +85,15 @@ def best_path() -> str:
     return available_paths()[-1]
 
 
+def chosen_path() -> tuple[str, str]:
+    """The path a model is loaded with, chosen once there and passed down to everything it builds:
+    (best_path(), "") where the kernels build and the CPU runs a path, else ("python", the reason)."""
+    try:
+        return best_path(), ""
+    except KernelsUnavailable as reason:
+        return "python", str(reason)
+
+
 def _cpuinfo(field: str) -> str | None:
     """The first `field` line of /proc/cpuinfo, or None where it cannot be read (not Linux)."""
     try:
@@ -159,11 +168,7 @@ def read_bandwidth_gbs(gib: float = 1.0, repeats: int = 5) -> float:
 def machine() -> dict:
     """What a benchmark figure of this machine depends on: the CPU, the features that choose a kernel path,
     and the path specstand's targets take here (a report carries it beside its figures)."""
-    try:
-        path = best_path()
-    except KernelsUnavailable:
-        path = "python"
-    return {"cpu": cpu_model(), "cpus": os.cpu_count(), "flags": cpu_flags(), "kernel_path": path}
+    return {"cpu": cpu_model(), "cpus": os.cpu_count(), "flags": cpu_flags(), "kernel_path": chosen_path()[0]}
 
 
 def describe() -> list[str]:

@@ -115,18 +115,17 @@ def describe(folders: dict[str, Path]) -> list[str]:
     """What `specstand doctor` says `--dtype auto` loads for each model folder (measured as at start)."""
     from specstand.models import gguf_blocks
 
-    lines = [f"{name}: {auto_dtype(widest_linear(folder), (folder / gguf_blocks.FILE).is_file()).reason}"
+    path = kernels.chosen_path()[0]
+    lines = [f"{name}: {auto_dtype(widest_linear(folder), (folder / gguf_blocks.FILE).is_file(), path).reason}"
              for name, folder in folders.items()]
     return [*lines, f"(the measured costs are kept in {_cache_file()}: delete it to measure again)"]
 
 
-def auto_dtype(widest_linear: tuple[int, int] | None, published_blocks: bool) -> DtypeChoice:
-    """What `--dtype auto` loads: bf16 unless the model publishes Q8_0 blocks and they measure cheaper here."""
-    try:
-        path = kernels.best_path()
-        kernels.load()
-    except kernels.KernelsUnavailable as reason:
-        return DtypeChoice("bf16", f"dtype auto: bf16 (q8_0 needs the compiled kernels: {reason})")
+def auto_dtype(widest_linear: tuple[int, int] | None, published_blocks: bool, path: str) -> DtypeChoice:
+    """What `--dtype auto` loads on kernel `path` (kernels.chosen_path): bf16 unless the model publishes Q8_0
+    blocks and they measure cheaper here."""
+    if path == "python":
+        return DtypeChoice("bf16", f"dtype auto: bf16 (q8_0 needs the compiled kernels: {kernels.chosen_path()[1]})")
     if not published_blocks:
         return DtypeChoice("bf16", "dtype auto: bf16 (the model publishes no Q8_0 blocks to run as they are"
                                    f"{_path_note(path)})")

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import torch
 
+from specstand import kernels
 from specstand.kernels import KernelsUnavailable
 from specstand.models import gguf_blocks
 from specstand.models.chat import render_chat
@@ -102,8 +103,9 @@ def load_model(model: str, dtype: str = "bf16", max_seq_len: int = 2048, log=pri
         tokenizer = AutoTokenizer.from_pretrained(path)
     except OSError as error:
         raise ModelError(f"cannot load model {model!r}: {str(error).splitlines()[0]}") from None
+    kernel_path = kernels.chosen_path()[0]  # chosen once: the target and its drafters run on it
     if dtype == "auto":
-        choice = auto_dtype(widest_linear(Path(path)), (Path(path) / gguf_blocks.FILE).is_file())
+        choice = auto_dtype(widest_linear(Path(path)), (Path(path) / gguf_blocks.FILE).is_file(), kernel_path)
         log(choice.reason)
         dtype = choice.dtype
     max_positions = min(max_seq_len, getattr(hf_model.config, "max_position_embeddings", max_seq_len))
@@ -112,7 +114,7 @@ def load_model(model: str, dtype: str = "bf16", max_seq_len: int = 2048, log=pri
     if published is not None:
         log(f"q8_0 weights: the GGUF's own blocks ({gguf_blocks.describe(Path(path))})")
     try:
-        decoder = target_model(hf_model, max_positions, log, weight_format, published)
+        decoder = target_model(hf_model, max_positions, kernel_path, log, weight_format, published)
     except KernelsUnavailable as reason:
         raise ModelError(f"--dtype {dtype} runs on the compiled kernels, which cannot run here: {reason}") from None
     except ValueError as error:
@@ -135,20 +137,21 @@ def _return_freed_heap() -> None:
         ctypes.CDLL("libc.so.6").malloc_trim(0)
 
 
-def target_model(hf_model, max_positions: int, log=print, weight_format: str = "bf16",
+def target_model(hf_model, max_positions: int, kernel_path: str, log=print, weight_format: str = "bf16",
                  published: dict | None = None) -> TargetModel:
     """Our forward for the model's architecture: Llama/Qwen2/Qwen3 (compiled where the CPU allows), the
     hybrid families (Gemma 3, LFM2, Qwen3.5), else the transformers module itself (not exact). Weight
-    format q8_0 needs our compiled kernels (KernelsUnavailable otherwise); `published`: Q8_0 blocks by
+    format q8_0 needs our compiled kernels (KernelsUnavailable otherwise); `kernel_path`: kernels.chosen_path;
+    `published`: Q8_0 blocks by
     transformers name (a preset's GGUF's own), used by the Llama/Qwen forward."""
     arch = type(hf_model).__name__
     if arch in SUPPORTED_ARCHITECTURES:
         decoder = DecoderModel(hf_model, max_positions)
-        attach_compiled(decoder, log=log, weight_format=weight_format, published=published)
+        attach_compiled(decoder, kernel_path, log, weight_format, published)
         return decoder
     if arch in FAMILIES:
         hybrid = HybridModel(hf_model, max_positions)
-        hybrid.attach_kernels(log=log, weight_format=weight_format)
+        hybrid.attach_kernels(kernel_path, log, weight_format)
         return hybrid
     if weight_format != "bf16":
         raise KernelsUnavailable(f"{arch} runs on the transformers module, which takes no {weight_format} weights")

@@ -83,36 +83,37 @@ class CompiledDecoder:
         return self._decoder.take_profile()
 
 
-def attach_compiled(model: DecoderModel, path: str | None = None, log=None, weight_format: str = "bf16",
+def attach_compiled(model: DecoderModel, path: str, log=None, weight_format: str = "bf16",
                     published: dict[str, Q8Blocks] | None = None) -> CompiledDecoder | None:
-    """Give `model` its compiled forward (kernel `path`, default the best this CPU has) and return it, or
-    leave it on the Python forward and return None (the reason logged) where that cannot run: not bf16,
-    no compiler, SPECSTAND_KERNEL_PATH=python, or a shape the kernels do not take. `weight_format` q8_0
-    quantizes the linears to Q8_0 blocks (or takes `published` ones, {transformers name: blocks}: a GGUF's
-    own, models/gguf_blocks.py), and the Python forward's weights to the same values, so prompts computed by
-    torch (avx2, scalar) see the model the compiled rows see; q8_0 needs the kernels."""
+    """Give `model` its compiled forward on kernel `path` (chosen once, at load: kernels.chosen_path) and
+    return it, or leave it on the Python forward and return None (the reason logged) where that cannot run:
+    path "python", not bf16, or a shape the kernels do not take. `weight_format` q8_0 quantizes the linears
+    to Q8_0 blocks (or takes `published` ones, {transformers name: blocks}: a GGUF's own,
+    models/gguf_blocks.py), and the Python forward's weights to the same values, so prompts computed by
+    torch (scalar path) see the model the compiled rows see; q8_0 needs the kernels."""
     try:
         if weight_format not in WEIGHT_FORMATS:
             raise ValueError(f"unknown weight format {weight_format!r} (choose from {', '.join(WEIGHT_FORMATS)})")
-        path = path or kernels.best_path()
+        if path == "python":
+            raise kernels.KernelsUnavailable(kernels.chosen_path()[1] or "kernel path python: the Python forward")
         blocks = None
         if weight_format == "q8_0":
             blocks = (_fused(model, published) if published is not None
                       else [q8_0.quantize(t) for t in model.linear_weights()])
-        model.compiled = CompiledDecoder(model, path, blocks)
-        if model.compiled.fast_for_prompts:
-            model.prefill_weights = model.weights  # an fp32 copy for torch's prompt GEMMs is no longer read
-        if blocks is not None:
-            shared = model.prefill_weights is model.weights
-            model.weights = _dequantized(model.weights, blocks)
-            model.prefill_weights = model.weights if shared else _dequantized(model.prefill_weights, blocks)
+        compiled = CompiledDecoder(model, path, blocks)
     except kernels.KernelsUnavailable as reason:
-        model.compiled = None
         if weight_format == "q8_0":
             raise
         if log is not None and model.dtype == torch.bfloat16 and os.environ.get(kernels.PATH_ENV) != "python":
             log(str(reason))
-    return model.compiled
+        return None
+    if blocks is None:
+        model.use_compiled(compiled)
+    else:
+        weights = _dequantized(model.weights, blocks)
+        shared = model.prefill_weights is model.weights
+        model.use_compiled(compiled, weights, weights if shared else _dequantized(model.prefill_weights, blocks))
+    return compiled
 
 
 def _fused(model: DecoderModel, published: dict[str, Q8Blocks]) -> list[Q8Blocks]:

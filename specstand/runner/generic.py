@@ -78,6 +78,7 @@ class TransformersModel:
         self.dtype = hf_model.get_input_embeddings().weight.dtype
         self.max_positions = max_positions
         self.compiled = None
+        self.kernel_path = "python"  # the transformers module's own torch ops
         self.exact_by_design = False  # the module's kernels may round by pass shape: the probe decides
         heads = getattr(cfg, "num_attention_heads", 1)
         hidden = cfg.hidden_size

@@ -158,15 +158,16 @@ class HybridModel:
         """The matrices a decode pass reads (every layer's projections and the head)."""
         return [lin.weight for lin in self.linears()]
 
-    def attach_kernels(self, path: str | None = None, log=None, weight_format: str = "bf16") -> str:
-        """Run every projection through the compiled batch-invariant linear of kernel `path` (default the
-        best this CPU has) where the model is bf16 and the kernels build; returns the path used, or
+    def attach_kernels(self, path: str, log=None, weight_format: str = "bf16") -> str:
+        """Run every projection through the compiled batch-invariant linear of kernel `path` (chosen once, at
+        load: kernels.chosen_path) where the model is bf16 and the path is not "python"; returns it, or
         "python" (the reason logged) where torch's linears stay. `weight_format` q8_0 runs Q8_0 blocks
         (and needs the kernels: raises KernelsUnavailable without them)."""
         try:
             if self.dtype != torch.bfloat16:
                 raise kernels.KernelsUnavailable("the compiled linears take bf16 weights; this model is not bf16")
-            path = path or kernels.best_path()
+            if path == "python":
+                raise kernels.KernelsUnavailable(kernels.chosen_path()[1] or "kernel path python: torch's linears")
             module = kernels.load()
             for lin in self.linears():
                 lin.pack(module, kernels.PATHS[path], weight_format)

@@ -15,6 +15,7 @@ class TargetModel(Protocol):
     weights: Any  # its embedding and head at least (`embed_tokens`, `lm_head`): trained drafters share them
     max_positions: int  # the most positions a cache slot may hold
     compiled: Any  # the compiled decode/verify forward (runner/compiled.py), or None
+    kernel_path: str  # what its linears run on, chosen once at load (kernels.chosen_path); "python": torch
     exact_by_design: bool  # rows compute alike whatever shares their pass (the start-up probe confirms)
 
     def new_cache(self, num_slots: int, capacity: int) -> Any:

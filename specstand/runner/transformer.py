@@ -10,12 +10,16 @@ Whether the machine's kernels really keep rows independent is checked at start-u
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 
 from specstand import kernels
 from specstand.runner.kv_cache import KVCache
+
+if TYPE_CHECKING:  # compiled.py builds on this module
+    from specstand.runner.compiled import CompiledDecoder
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
 ATTENTION_BUCKET = 128  # a row at position p attends over roundup(p + 1, ATTENTION_BUCKET) cache positions
@@ -132,7 +136,8 @@ class DecoderModel:
             intermediate_size=inner.layers[0].mlp.down_proj.weight.shape[1],
         )
         self.max_positions = max_positions
-        self.compiled = None  # the compiled decode/verify forward, once runner/compiled.py attaches one
+        self.compiled: CompiledDecoder | None = None  # the compiled decode/verify forward, once attached
+        self.kernel_path = "python"  # the compiled forward's kernel path, once attached
         self.exact_by_design = True  # rows computed alike whatever shares their pass: the probe confirms
         self.weights = Weights(
             embed_tokens=inner.embed_tokens.weight.detach(),
@@ -145,6 +150,16 @@ class DecoderModel:
         self.prefill_weights = self.weights.with_layers_in(torch.float32) if fp32_prefill else self.weights
         # the cache (and so the table) ends on a bucket boundary; rows past max_positions are only padding
         self.rope = self._rope_table(inner.rotary_emb, -(-max_positions // ATTENTION_BUCKET) * ATTENTION_BUCKET)
+
+    def use_compiled(self, compiled: CompiledDecoder, weights: Weights | None = None,
+                     prefill_weights: Weights | None = None) -> None:
+        """Run decode/verify rows (and prompts, where it is fast for them) through `compiled`; `weights` and
+        `prefill_weights`: what this Python forward computes with from then on (the values the compiled
+        rows see, such as Q8_0 blocks', so that prompts torch computes see the same model)."""
+        self.compiled, self.kernel_path = compiled, compiled.path
+        self.weights = weights or self.weights
+        # an fp32 copy for torch's prompt GEMMs is no longer read where the compiled forward takes prompts
+        self.prefill_weights = self.weights if compiled.fast_for_prompts else prefill_weights or self.prefill_weights
 
     def linear_weights(self) -> list[torch.Tensor]:
         """The matrices a decode pass reads (every layer's linears and the head)."""

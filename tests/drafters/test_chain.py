@@ -7,7 +7,6 @@ import pytest
 import torch
 from torch import nn
 
-from specstand import kernels
 from specstand.drafters import HiddenRows, SequenceView
 from specstand.drafters.base import join_rows
 from specstand.drafters.chain import ChainDrafter, ChainModel
@@ -33,10 +32,9 @@ def _rows(start: int, count: int, generator: torch.Generator) -> HiddenRows:
 
 
 @pytest.mark.parametrize("forward", FORWARDS)
-def test_rows_caught_up_late_and_together_give_what_keeping_up_gives(forward, monkeypatch):
-    monkeypatch.setenv(kernels.PATH_ENV, forward)  # "python": torch's fp32 linears
+def test_rows_caught_up_late_and_together_give_what_keeping_up_gives(forward):
     model = _eagle3()
-    assert pack_for_inference(model) == forward
+    assert pack_for_inference(model, forward) == forward  # "python": torch's fp32 linears
     eager, lazy = ChainDrafter(model, "eagle3"), ChainDrafter(model, "eagle3")
     generator = torch.Generator().manual_seed(1)
     prompts = [torch.randint(0, VOCAB, (11,), generator=generator).tolist() for _ in range(3)]  # + 1st answer token
@@ -106,10 +104,9 @@ def test_segments_attend_causally_over_their_own_past_only():
 
 
 @pytest.mark.parametrize("forward", FORWARDS)
-def test_packing_keeps_the_state_dict_and_stays_close_to_the_fp32_layer(forward, monkeypatch):
-    monkeypatch.setenv(kernels.PATH_ENV, forward)
+def test_packing_keeps_the_state_dict_and_stays_close_to_the_fp32_layer(forward):
     model, reference = _eagle3(), _eagle3()
-    path = pack_for_inference(model)
+    path = pack_for_inference(model, forward)
     assert path == forward
     assert model.state_dict().keys() == reference.state_dict().keys()
     for name, tensor in reference.state_dict().items():

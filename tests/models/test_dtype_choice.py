@@ -24,9 +24,7 @@ def test_the_cheaper_measured_format_is_chosen(costs, expected):
 
 def test_a_model_without_published_blocks_stays_bf16(monkeypatch):
     monkeypatch.setattr(dtype_choice, "measure", lambda *a, **k: pytest.fail("nothing to measure"))
-    monkeypatch.setattr(dtype_choice.kernels, "best_path", lambda: "avx2")
-    monkeypatch.setattr(dtype_choice.kernels, "load", lambda: None)
-    choice = dtype_choice.auto_dtype((64, 32), published_blocks=False)
+    choice = dtype_choice.auto_dtype((64, 32), False, "avx2")
     assert choice.dtype == "bf16" and "no bf16 dot products (avx2 path)" in choice.reason
 
 
@@ -39,11 +37,9 @@ def test_costs_are_measured_once_per_machine_and_shape(monkeypatch, tmp_path):
         return {"bf16": 2.0, "q8_0": 1.0} if n == 64 else {"bf16": 1.0, "q8_0": 2.0}
 
     monkeypatch.setattr(dtype_choice, "measure", fake)
-    monkeypatch.setattr(dtype_choice.kernels, "best_path", lambda: "avx2")
-    monkeypatch.setattr(dtype_choice.kernels, "load", lambda: None)
-    assert dtype_choice.auto_dtype((64, 32), published_blocks=True).dtype == "q8_0"
-    assert dtype_choice.auto_dtype((64, 32), published_blocks=True).dtype == "q8_0"
-    assert dtype_choice.auto_dtype((96, 32), published_blocks=True).dtype == "bf16"
+    assert dtype_choice.auto_dtype((64, 32), True, "avx2").dtype == "q8_0"
+    assert dtype_choice.auto_dtype((64, 32), True, "avx2").dtype == "q8_0"
+    assert dtype_choice.auto_dtype((96, 32), True, "avx2").dtype == "bf16"
     assert calls == [(64, 32, "avx2"), (96, 32, "avx2")]
     kept = json.loads((tmp_path / "dtype_costs.json").read_text())
     assert len(kept) == 2 and not list(tmp_path.glob("*.tmp"))

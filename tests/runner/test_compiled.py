@@ -151,19 +151,21 @@ def test_the_python_forward_can_be_forced_and_fp32_keeps_it(monkeypatch):
     model = DecoderModel(tiny_hf_model("llama", torch.bfloat16), 512)
     monkeypatch.setenv(kernels.PATH_ENV, "python")
     logged: list[str] = []
-    assert attach_compiled(model, log=logged.append) is None and model.compiled is None
-    assert logged == []  # asked for: nothing to warn about
+    assert attach_compiled(model, kernels.chosen_path()[0], logged.append) is None and model.compiled is None
+    assert logged == [] and model.kernel_path == "python"  # asked for: nothing to warn about
     monkeypatch.delenv(kernels.PATH_ENV)
-    assert attach_compiled(model) is not None and TargetRunner(model, 1, 128).compiled is model.compiled
+    path = kernels.chosen_path()[0]
+    assert attach_compiled(model, path) is not None and TargetRunner(model, 1, 128).compiled is model.compiled
+    assert model.kernel_path == path
     fp32 = DecoderModel(tiny_hf_model("llama", torch.float32), 512)
-    assert attach_compiled(fp32, log=logged.append) is None and logged == []  # fp32 runs the Python forward
+    assert attach_compiled(fp32, path, logged.append) is None and logged == []  # fp32 runs the Python forward
 
 
 def test_q8_0_without_the_kernels_is_refused_not_run_as_bf16(monkeypatch):
     monkeypatch.setenv(kernels.PATH_ENV, "python")
     model = DecoderModel(tiny_hf_model("llama", torch.bfloat16), 512)
     with pytest.raises(kernels.KernelsUnavailable, match="python"):
-        attach_compiled(model, weight_format="q8_0")
+        attach_compiled(model, kernels.chosen_path()[0], weight_format="q8_0")
     with pytest.raises(ValueError, match="unknown weight format"):
         attach_compiled(model, KERNEL_PATHS[-1], weight_format="q4")
 

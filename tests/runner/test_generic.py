@@ -7,6 +7,7 @@ import pytest
 import torch
 from transformers import GPTNeoXConfig, GPTNeoXForCausalLM
 
+from specstand import kernels
 from specstand.drafters import make_drafter
 from specstand.engine import Engine, EngineConfig, Request
 from specstand.models.loading import target_model
@@ -35,10 +36,11 @@ def _model(name: str) -> torch.nn.Module:
 
 def test_unknown_architectures_run_through_the_module_and_known_ones_do_not():
     logged = []
-    model = target_model(_model("gpt_neox"), 512, log=logged.append)
+    path = kernels.chosen_path()[0]
+    model = target_model(_model("gpt_neox"), 512, path, log=logged.append)
     assert isinstance(model, TransformersModel) and "not exact" in logged[0]
     for family in HYBRID_FAMILIES:
-        assert isinstance(target_model(tiny_hybrid_hf_model(family), 512, log=logged.append), HybridModel)
+        assert isinstance(target_model(tiny_hybrid_hf_model(family), 512, path, log=logged.append), HybridModel)
 
 
 @pytest.mark.parametrize("name", MODELS)

@@ -51,9 +51,9 @@ if [[ " $PEERS " == *" hf "* ]]; then
 fi
 if [[ " $PEERS " == *" llamacpp "* ]]; then
   [ -x "$ROOT/.venv-llama/bin/python" ] || benchmarks/peers/llama_cpp_server.sh install
-  benchmarks/peers/llama_cpp_server.sh serve "$MODEL" 8321 > "$OUT/llamacpp.log" 2>&1 &
-  pids+=($!)
-  endpoints+=(--endpoint "llamacpp=http://127.0.0.1:8321")
+  # no reset route: the bench starts it and restarts it before each run (every run from the same state)
+  endpoints+=(--endpoint "llamacpp=http://127.0.0.1:8321"
+              --endpoint-command "llamacpp=benchmarks/peers/llama_cpp_server.sh serve $MODEL 8321")
 fi
 
 "$SPEC" bench --workload "$OUT/workload.jsonl" --model "$MODEL" --method "$METHODS" "${endpoints[@]}" \

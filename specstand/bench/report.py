@@ -418,7 +418,7 @@ def write_report(out_dir: Path, config: dict, runs: list[RunResult], turns: list
           f"{config.get('repeats')} repeats (runs interleaved). Times are medians over repeats with "
           f"[min–max]; ≈ marks a difference inside the spread. Run seconds by phase are the engine thread's "
           f"(specstand servers): prompt and decode/verify passes, drafting, other engine work, idle.\n"
-          f"{_machine_line(config.get('machine'))}{_reset_line(config.get('prefix_cache_reset_per_run'))}"
+          f"{_machine_line(config.get('machine'))}{_reset_line(config)}"
           f"{state}{status}\n{tables}")
     write_text_atomic(out_dir / "report.md", md)
     for index, (warm, summary) in enumerate(summaries.items()):
@@ -427,12 +427,14 @@ def write_report(out_dir: Path, config: dict, runs: list[RunResult], turns: list
     return tables
 
 
-def _reset_line(resets: dict[str, bool] | None) -> str:
+def _reset_line(config: dict) -> str:
     """Which targets started every run with nothing cached (reports written before the reset have none)."""
+    resets, restarted = config.get("prefix_cache_reset_per_run"), config.get("restarted_per_run") or []
     if not resets:
         return ""
-    kept = [name for name, reset in resets.items() if not reset]
+    kept = [name for name, reset in resets.items() if not reset and name not in restarted]
     line = "\nEach run started with the server's prompt cache and drafter memory reset"
+    line += f" ({', '.join(restarted)}: the server restarted, having no /reset_prefix_cache route)" if restarted else ""
     return line + (f", except on {', '.join(kept)} (no /reset_prefix_cache route).\n" if kept else ".\n")
 
 

@@ -50,6 +50,7 @@ class Target:
     k: int | None = None
     process: subprocess.Popen | None = None
     log: Path | None = None
+    command: str | None = None  # the shell command that starts it (an endpoint the bench may restart)
 
 
 def _run_delta(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
@@ -190,14 +191,46 @@ def wait_ready(target: Target) -> None:
     raise RuntimeError(f"server for {target.name} did not become ready in {SERVER_START_TIMEOUT_S}s")
 
 
+def start_endpoint(target: Target) -> None:
+    """Start `target.command` (a peer server at target.url) in a session of its own and wait until it answers."""
+    log = Path(tempfile.mkstemp(prefix=f"specstand-peer-{target.name}-", suffix=".log")[1])
+    with log.open("w") as sink:
+        target.process = subprocess.Popen(target.command, shell=True, stdout=sink, stderr=subprocess.STDOUT,
+                                          start_new_session=True)
+    target.log = log
+    wait_ready(target)
+
+
+def restart_endpoint(target: Target) -> None:
+    """Stop the peer the bench started and start it again: a fresh state for a server with no reset route."""
+    stop_servers([target])
+    start_endpoint(target)
+
+
+async def _restarted(target: Target, endpoint: OpenAIEndpoint) -> None:
+    """Restart a peer, then meet its first-call costs with a one-word call that shares no turn's head."""
+    restart_endpoint(target)
+    hello = Call("restart", messages=[{"role": "user", "content": "Hi"}], max_tokens=1)
+    await replay([Turn("restart", [hello])], endpoint, 1)
+
+
 def stop_servers(targets: list[Target]) -> None:
     for target in targets:
         if target.process is not None and target.process.poll() is None:
-            target.process.terminate()
-            try:
-                target.process.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                target.process.kill()
+            _stop(target.process, target.command is not None)
+
+
+def _stop(process: subprocess.Popen, whole_session: bool) -> None:
+    """Stop a server; a peer's command runs in a session of its own, its shell and the server it started."""
+    def send(sig: int) -> None:
+        os.killpg(process.pid, sig) if whole_session else process.send_signal(sig)
+
+    send(signal.SIGTERM)
+    try:
+        process.wait(timeout=15)
+    except subprocess.TimeoutExpired:
+        send(signal.SIGKILL)
+        process.wait()
 
 
 async def run_bench(targets: list[Target], turns: list[Turn], config: BenchConfig) -> str:
@@ -228,6 +261,9 @@ async def run_bench(targets: list[Target], turns: list[Turn], config: BenchConfi
         # decoding drafting the answers of the previous repeat)
         resets = {name: await endpoint.reset_prefix_cache() for name, endpoint in endpoints.items()}
         report_config["prefix_cache_reset_per_run"] = resets
+        # a peer with no reset route whose command the bench has is restarted before each run instead
+        restarted = [t for t in targets if not resets[t.name] and t.command]
+        report_config["restarted_per_run"] = [t.name for t in restarted]
         with tqdm(total=total, unit="turn", desc="bench", file=sys.stderr) as bar:
             for repeat, warm, users in itertools.product(range(config.repeats), config.warm, config.users):
                 for target in targets:  # interleaved, so drift hits every target alike
@@ -240,6 +276,8 @@ async def run_bench(targets: list[Target], turns: list[Turn], config: BenchConfi
                     endpoint = endpoints[name]
                     if resets[name]:
                         await endpoint.reset_prefix_cache()
+                    elif target in restarted:
+                        await _restarted(target, endpoint)
                     if warm == "system":
                         await warm_up(endpoint, heads)
                     before = await endpoint.scrape_metrics()

@@ -57,6 +57,10 @@ def _add_bench_parser(commands: argparse._SubParsersAction) -> None:
     bench.add_argument("--workload", type=Path, required=True, help="workload file (JSON Lines) to replay")
     bench.add_argument("--endpoint", action="append", default=[], metavar="NAME=URL",
                        help="an OpenAI-compatible server to measure (repeatable)")
+    bench.add_argument("--endpoint-command", action="append", default=[], metavar="NAME=COMMAND",
+                       help="a shell command that serves --endpoint NAME: the bench starts it, and where the server "
+                            "has no /reset_prefix_cache route (llama-cpp-python's) restarts it before each run, so "
+                            "that every run starts from the same state")
     bench.add_argument("--model", default=None, help="start specstand servers for this model")
     bench.add_argument("--method", action="append", default=[],
                        help="method(s) to serve (repeatable or a,b,c), with adaptive verification; METHOD@fixed: "
@@ -157,7 +161,7 @@ def cmd_bench(args: argparse.Namespace) -> None:
     methods, configured = _bench_methods(args)
     # a `kill` must stop the servers started below too (the finally clause), or they keep loading the CPU
     signal.signal(signal.SIGTERM, _exit_on_sigterm)
-    targets = _endpoint_targets(args.endpoint)
+    targets = _endpoint_targets(args.endpoint, args.endpoint_command)
     drafters = _drafters_by_method(args.drafter)
     if args.model and (methods or configured) and args.max_seq_len is None:
         args.max_seq_len = workload_context(turns, args.model, max(args.k or 0, 15))
@@ -206,7 +210,7 @@ def _bench_methods(args: argparse.Namespace) -> tuple[list[str], list[tuple[str,
     return methods, configured
 
 
-def _endpoint_targets(endpoints: list[str]) -> list[Target]:
+def _endpoint_targets(endpoints: list[str], commands: list[str]) -> list[Target]:
     from specstand.bench.run import Target
 
     targets = []
@@ -215,6 +219,14 @@ def _endpoint_targets(endpoints: list[str]) -> list[Target]:
         if not sep or not url.startswith("http"):
             raise CliError(f"--endpoint takes NAME=URL, not {spec!r}")
         targets.append(Target(name, url))
+    named = {t.name: t for t in targets}
+    for spec in commands:
+        name, sep, command = spec.partition("=")
+        if not sep or not command.strip():
+            raise CliError(f"--endpoint-command takes NAME=COMMAND, not {spec!r}")
+        if name not in named:
+            raise CliError(f"--endpoint-command names {name!r}, which no --endpoint gives")
+        named[name].command = command
     return targets
 
 
@@ -224,10 +236,10 @@ def _start_servers(args: argparse.Namespace, targets: list[Target], methods: lis
     added to `targets` as soon as it runs (so that a failure stops those already started). One server at
     a time: each profiles its passes at start (adaptive verification, the predicted speedup), which
     another server loading beside it would distort."""
-    from specstand.bench.run import FIXED, start_server, wait_ready
+    from specstand.bench.run import FIXED, start_endpoint, start_server, wait_ready
 
     for target in targets:
-        wait_ready(target)
+        start_endpoint(target) if target.command else wait_ready(target)
     for method in methods:
         targets.append(start_server(method, args.model, args.k, args.max_batch, args.dtype, args.max_seq_len,
                                     drafters.get(method.removesuffix(FIXED))))

@@ -1,11 +1,13 @@
 """The whole stand on a tiny model: servers started, turns replayed, report written."""
 
 import json
+import socket
 import subprocess
 import sys
 import time
 
 import psutil
+import pytest
 
 from specstand.bench.run import Target, first_call, server_gone, workload_context
 from specstand.cli import main
@@ -150,3 +152,66 @@ def test_the_warm_up_is_a_turns_first_call_alone():
     warm_up = first_call(Turn("t", calls, "src"))
     assert [c.id for c in warm_up.calls] == ["a"] and warm_up.calls[0].delay_ms == 0.0
     assert (warm_up.turn_id, warm_up.source) == ("t", "src") and len(calls) == 2  # the workload is unchanged
+
+
+PEER = '''
+import json, sys
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+with open(sys.argv[2], "a") as starts:  # one line a start: the test counts restarts
+    starts.write("started\\n")
+
+
+class Peer(BaseHTTPRequestHandler):  # an OpenAI server with no /health and no /reset_prefix_cache
+    def _send(self, code, body):
+        data = json.dumps(body).encode()
+        self.send_response(code)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    def do_GET(self):
+        found = self.path == "/v1/models"
+        self._send(200 if found else 404, {"data": [{"id": "peer"}]} if found else {})
+
+    def do_POST(self):
+        self.rfile.read(int(self.headers.get("Content-Length", 0)))
+        if self.path != "/v1/chat/completions":
+            return self._send(404, {})
+        self._send(200, {"choices": [{"message": {"content": "ok"}, "finish_reason": "stop"}],
+                         "usage": {"completion_tokens": 1}})
+
+    def log_message(self, *args):
+        pass
+
+
+ThreadingHTTPServer(("127.0.0.1", int(sys.argv[1])), Peer).serve_forever()
+'''
+
+
+def test_a_peer_with_no_reset_route_is_restarted_before_each_run(tmp_path, capsys):
+    script, starts = tmp_path / "peer.py", tmp_path / "starts.txt"
+    script.write_text(PEER)
+    port = _free_port()
+    turns = [Turn("t", [Call(id="a", messages=[SYSTEM, {"role": "user", "content": "w3"}], max_tokens=4)])]
+    save_workload(turns, tmp_path / "w.jsonl")
+    code = main(["bench", "--workload", str(tmp_path / "w.jsonl"), "--endpoint", f"peer=http://127.0.0.1:{port}",
+                 "--endpoint-command", f"peer={sys.executable} {script} {port} {starts}", "--users", "1,2",
+                 "--repeats", "2", "--warm", "none", "--out", str(tmp_path / "report")])
+    assert code == 0, capsys.readouterr().err
+    assert starts.read_text().count("started") == 1 + 2 * 2  # the bench's start, then one before each run
+    raw = json.loads((tmp_path / "report" / "report.json").read_text())
+    assert raw["config"]["restarted_per_run"] == ["peer"]
+    assert "peer: the server restarted" in (tmp_path / "report" / "report.md").read_text()
+    with pytest.raises(ConnectionError):  # the bench stopped the peer it started
+        socket.create_connection(("127.0.0.1", port), timeout=2)
+    assert main(["bench", "--workload", str(tmp_path / "w.jsonl"), "--endpoint", f"peer=http://127.0.0.1:{port}",
+                 "--endpoint-command", "other=true", "--out", str(tmp_path / "r2")]) != 0
+    assert "which no --endpoint gives" in capsys.readouterr().err
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]

@@ -22,10 +22,11 @@ WARM="${WARM:-system}"
 METHODS="${METHODS:-none,ngram,suffix}"
 PEERS="${PEERS:-vllm hf}"
 OUT="${OUT:-benchmarks/results/peers/side_by_side_${MODEL}}"  # relative: reports carry no path of this machine
-mkdir -p "$OUT"
+mkdir -p "$OUT" out/peers
+WORKLOAD="out/peers/$(basename "$OUT")_workload.jsonl"  # data of a public set: never in the tree
 
 model_dir="$("$SPEC" models fetch "$MODEL")"
-"$SPEC" workload import complexfuncbench --out "$OUT/workload.jsonl" --skip "$SKIP" --limit "$TURNS" \
+"$SPEC" workload import complexfuncbench --out "$WORKLOAD" --skip "$SKIP" --limit "$TURNS" \
   --max-prompt-chars "$MAX_PROMPT_CHARS" --max-tokens "$MAX_TOKENS"
 
 pids=()
@@ -56,7 +57,7 @@ if [[ " $PEERS " == *" llamacpp "* ]]; then
               --endpoint-command "llamacpp=benchmarks/peers/llama_cpp_server.sh serve $MODEL 8321")
 fi
 
-"$SPEC" bench --workload "$OUT/workload.jsonl" --model "$MODEL" --method "$METHODS" "${endpoints[@]}" \
+"$SPEC" bench --workload "$WORKLOAD" --model "$MODEL" --method "$METHODS" "${endpoints[@]}" \
   --users "$USERS" --repeats "$REPEATS" --warm "$WARM" --baseline none --out "$OUT" | tee "$OUT/table.md"
 echo "command: MODEL=$MODEL TURNS=$TURNS SKIP=$SKIP MAX_PROMPT_CHARS=$MAX_PROMPT_CHARS MAX_TOKENS=$MAX_TOKENS" \
   "USERS=$USERS REPEATS=$REPEATS WARM=$WARM METHODS=$METHODS PEERS='$PEERS' $0" >> "$OUT/table.md"

@@ -223,7 +223,10 @@ def stop_servers(targets: list[Target]) -> None:
 def _stop(process: subprocess.Popen, whole_session: bool) -> None:
     """Stop a server; a peer's command runs in a session of its own, its shell and the server it started."""
     def send(sig: int) -> None:
-        os.killpg(process.pid, sig) if whole_session else process.send_signal(sig)
+        if whole_session:
+            os.killpg(process.pid, sig)
+        else:
+            process.send_signal(sig)
 
     send(signal.SIGTERM)
     try:

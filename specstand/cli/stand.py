@@ -239,7 +239,10 @@ def _start_servers(args: argparse.Namespace, targets: list[Target], methods: lis
     from specstand.bench.run import FIXED, start_endpoint, start_server, wait_ready
 
     for target in targets:
-        start_endpoint(target) if target.command else wait_ready(target)
+        if target.command:
+            start_endpoint(target)
+        else:
+            wait_ready(target)
     for method in methods:
         targets.append(start_server(method, args.model, args.k, args.max_batch, args.dtype, args.max_seq_len,
                                     drafters.get(method.removesuffix(FIXED))))

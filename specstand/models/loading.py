@@ -142,8 +142,7 @@ def target_model(hf_model, max_positions: int, kernel_path: str, log=print, weig
     """Our forward for the model's architecture: Llama/Qwen2/Qwen3 (compiled where the CPU allows), the
     hybrid families (Gemma 3, LFM2, Qwen3.5), else the transformers module itself (not exact). Weight
     format q8_0 needs our compiled kernels (KernelsUnavailable otherwise); `kernel_path`: kernels.chosen_path;
-    `published`: Q8_0 blocks by
-    transformers name (a preset's GGUF's own), used by the Llama/Qwen forward."""
+    `published`: Q8_0 blocks by transformers name (a preset's GGUF's own), used by the Llama/Qwen forward."""
     arch = type(hf_model).__name__
     if arch in SUPPORTED_ARCHITECTURES:
         decoder = DecoderModel(hf_model, max_positions)

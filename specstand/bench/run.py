@@ -231,9 +231,23 @@ def _stop(process: subprocess.Popen, whole_session: bool) -> None:
     send(signal.SIGTERM)
     try:
         process.wait(timeout=15)
+        # the shell may exit before the server it started: the session is gone only when its last process is
+        deadline = time.time() + 15
+        while whole_session and _session_alive(process.pid):
+            if time.time() > deadline:
+                raise subprocess.TimeoutExpired(str(process.args), 15)
+            time.sleep(0.05)
     except subprocess.TimeoutExpired:
         send(signal.SIGKILL)
         process.wait()
+
+
+def _session_alive(pid: int) -> bool:
+    try:
+        os.killpg(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
 
 
 async def run_bench(targets: list[Target], turns: list[Turn], config: BenchConfig) -> str:

@@ -259,24 +259,40 @@ __attribute__((target("amx-tile,amx-bf16,avx512f"))) static void scores_amx(int6
 }
 
 // Per vector v < count, over its own keys: scores times `scale`, softmax numerators rounded to bf16 into
-// s.weights (zero past its length), and 1 / their fp32 sum into inverse_sum[v].
+// s.weights (zero past its length), and 1 / their fp32 sum into inverse_sum[v]. Two passes over a row: the
+// maximum of the scaled scores, then exp, sum and rounding (the scaled scores are recomputed, not stored: the
+// same product, so the same bits).
 __attribute__((target("avx512f,avx512bf16"))) static void softmax_numerators(const int64_t* lengths, int64_t count,
                                                                            int64_t padded, float scale,
                                                                            AmxScratch& s, float* inverse_sum) {
   s.weights.resize(16 * padded);
   const __m512 scale_v = _mm512_set1_ps(scale);
   for (int64_t v = 0; v < count; ++v) {
-    float* row = s.scores.data() + v * padded;
+    const float* row = s.scores.data() + v * padded;
     uint16_t* weights = s.weights.data() + v * padded;
     const int64_t length = lengths[v], blocks_end = (length + 15) / 16 * 16;
-    for (int64_t key = 0; key < length; key += 16) {  // keys past the length read as 0
-      const __mmask16 valid = (__mmask16)(length - key >= 16 ? 0xffff : (1u << (length - key)) - 1);
-      _mm512_storeu_ps(row + key, _mm512_mul_ps(_mm512_maskz_loadu_ps(valid, row + key), scale_v));
+    auto valid = [&](int64_t key) {  // keys past the length read as 0 and weigh 0
+      return (__mmask16)(length - key >= 16 ? 0xffff : (1u << (length - key)) - 1);
+    };
+    __m512 top = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+    for (int64_t key = 0; key < length; key += 16)
+      top = _mm512_mask_max_ps(top, valid(key), top, _mm512_mul_ps(_mm512_maskz_loadu_ps(valid(key), row + key), scale_v));
+    const v16f top_v = v16_splat(_mm512_reduce_max_ps(top));
+    __m512 total = _mm512_setzero_ps();
+    for (int64_t key = 0; key < length; key += 16) {
+      const __m512 scaled = _mm512_mul_ps(_mm512_maskz_loadu_ps(valid(key), row + key), scale_v);
+      v16f x;
+      std::memcpy(&x, &scaled, sizeof(x));
+      const v16f e = vec_exp(x - top_v);
+      __m512 weight;
+      std::memcpy(&weight, &e, sizeof(e));
+      weight = _mm512_maskz_mov_ps(valid(key), weight);
+      total = _mm512_add_ps(total, weight);
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(weights + key), (__m256i)_mm512_cvtneps_pbh(weight));
     }
-    inverse_sum[v] = softmax_numerators16(row, length);
-    for (int64_t key = 0; key < blocks_end; key += 16)
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(weights + key),
-                          (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(row + key)));
+    v16f t;
+    std::memcpy(&t, &total, sizeof(t));
+    inverse_sum[v] = 1.0f / v16_sum(t);
     std::memset(weights + blocks_end, 0, (padded - blocks_end) * 2);
   }
 }

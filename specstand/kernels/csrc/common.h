@@ -169,4 +169,11 @@ SPECSTAND_INLINE V vec_exp(V x) {
   return p * scale;
 }
 
+// silu(g) * u on every lane: the MLP's activation, one definition for the decoder's row loop and the amx linear's
+// fused epilogue, so that both give the same bits.
+template <typename V>
+SPECSTAND_INLINE V silu_mul(V g, V u) {
+  return (g / ((V{} + 1.0f) + vec_exp(-g))) * u;
+}
+
 }  // namespace specstand

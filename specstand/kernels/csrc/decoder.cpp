@@ -11,6 +11,7 @@
 #include <ATen/Parallel.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/from_blob.h>
+#include <ATen/ops/zeros.h>
 
 #include <chrono>
 #include <map>
@@ -20,6 +21,7 @@
 #include "attention.h"
 #include "common.h"
 #include "linear.h"
+#include "tiles.h"
 
 namespace specstand {
 
@@ -42,10 +44,7 @@ __attribute__((target_clones("avx2", "default"), flatten)) static void rms_norm_
 // y = silu(gate) * up for one row of the fused [gate | up] output.
 __attribute__((target_clones("avx2", "default"), flatten)) static void silu_mul_row(const float* gate_up, float* y,
                                                                                   int64_t width) {
-  for (int64_t i = 0; i < width; i += 8) {
-    const v8f g = v8_load(gate_up + i), u = v8_load(gate_up + width + i);
-    v8_store(y + i, (g / (v8_splat(1.0f) + vec_exp(-g))) * u);
-  }
+  for (int64_t i = 0; i < width; i += 8) v8_store(y + i, silu_mul(v8_load(gate_up + i), v8_load(gate_up + width + i)));
 }
 
 __attribute__((target_clones("avx2", "default"), flatten)) static void add_row(float* x, const float* y,
@@ -94,6 +93,25 @@ struct Linear {
     at::Tensor y = at::empty(shape, at::kFloat);
     linear(packed, input.data_ptr<float>(), m, packed.k, y.data_ptr<float>(), packed.n);
     return y;
+  }
+  // A [gate | up] weight's activation silu(gate) * up as the down projection reads it on amx: bf16 in tile order
+  // (fused: linear_silu_mul; else linear, the decoder's silu_mul_row and the amx rounding into tiles). For tests.
+  at::Tensor silu_mul_tiles(const at::Tensor& x, bool fused) const {
+    TORCH_CHECK(fuses_silu_mul(packed), "silu_mul_tiles takes a [gate | up] weight linear_silu_mul runs");
+    const at::Tensor input = x.to(at::kFloat).contiguous();
+    TORCH_CHECK(input.dim() == 2 && input.size(1) == packed.k, "x must be [rows, ", packed.k, "]");
+    const int64_t m = input.size(0), I = packed.n / 2, padded = (m + 15) / 16 * 16;
+    at::Tensor tiles = at::zeros({padded * I}, at::kBFloat16);
+    auto* act = reinterpret_cast<uint16_t*>(tiles.data_ptr());
+    if (fused) {
+      linear_silu_mul(packed, input.data_ptr<float>(), m, packed.k, act);
+      return tiles;
+    }
+    std::vector<float> gate_up(m * 2 * I), rows(m * I);
+    linear(packed, input.data_ptr<float>(), m, packed.k, gate_up.data(), 2 * I);
+    for (int64_t r = 0; r < m; ++r) silu_mul_row(&gate_up[r * 2 * I], &rows[r * I], I);
+    round_rows_to_bf16_tiles(rows.data(), m, I, I, act, I);
+    return tiles;
   }
 };
 
@@ -242,12 +260,19 @@ class Decoder {
         rms_norm_row(&h[r * H], &xn[r * H], H, layer.post_attention_norm.data(), eps_);
       });
       clock.lap(seconds_, kOther);
-      linear(layer.gate_up, xn.data(), rows, H, gu.data(), 2 * I);
-      clock.lap(seconds_, kLinear);
-      for_rows(rows, [&](int64_t r) { silu_mul_row(&gu[r * 2 * I], &act[r * I], I); });
-      clock.lap(seconds_, kOther);
-      linear(layer.down, act.data(), rows, I, tmp.data(), H);
-      clock.lap(seconds_, kLinear);
+      if (fuses_mlp(layer)) {
+        b.act_tiles.resize((rows + 15) / 16 * 16 * I);
+        linear_silu_mul(layer.gate_up, xn.data(), rows, H, b.act_tiles.data());
+        linear_from_tiles(layer.down, b.act_tiles.data(), rows, tmp.data(), H);
+        clock.lap(seconds_, kLinear);
+      } else {
+        linear(layer.gate_up, xn.data(), rows, H, gu.data(), 2 * I);
+        clock.lap(seconds_, kLinear);
+        for_rows(rows, [&](int64_t r) { silu_mul_row(&gu[r * 2 * I], &act[r * I], I); });
+        clock.lap(seconds_, kOther);
+        linear(layer.down, act.data(), rows, I, tmp.data(), H);
+        clock.lap(seconds_, kLinear);
+      }
       for_rows(rows, [&](int64_t r) { add_row(&h[r * H], &tmp[r * H], H); });
       if (l + 1 != layers) tap(l + 1, h);
       clock.lap(seconds_, kOther);
@@ -279,8 +304,15 @@ class Decoder {
  private:
   // Buffers of a pass, kept between passes: freshly allocated ones cost a page fault per 4 KiB, as much as
   // the head's weight reads for a 64-row verify's logits.
+  // amx: the MLP's gate/up and activation in one kernel whose output the down projection reads as it is
+  bool fuses_mlp(const DecoderLayer& layer) const {
+    return fuses_silu_mul(layer.gate_up) && layer.down.isa == Isa::amx && layer.down.format == Format::bf16 &&
+           layer.down.k_pad == intermediate_;
+  }
+
   struct Scratch {
     std::vector<float> h, xn, qkv, attn, tmp, gu, act;
+    AlignedVector<uint16_t> act_tiles;  // the fused MLP's activation, in the down projection's tile order
   };
 
   // The logits tensor of the last pass is reused once the caller holds no tensor on its storage.
@@ -354,7 +386,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   py::class_<Linear>(m, "Linear")
       .def(py::init<const at::Tensor&, int64_t>())
       .def(py::init<const at::Tensor&, const at::Tensor&, int64_t>())
-      .def("forward", &Linear::forward);
+      .def("forward", &Linear::forward)
+      .def("silu_mul_tiles", &Linear::silu_mul_tiles);
   py::class_<specstand::Decoder>(m, "Decoder")
       .def(py::init<int64_t, int64_t, int64_t, int64_t, int64_t, double, int64_t>())
       .def("add_layer", &specstand::Decoder::add_layer)

@@ -9,7 +9,8 @@
 //   amx:        tdpbf16ps on 16-row tiles (fewer rows are zero-padded to 16, so a row always meets the same
 //               instruction sequence), activations rounded to bf16 and laid out tile by tile, weights padded to
 //               32 k; two row blocks share each weight tile loaded (further pairs of blocks re-read the strips
-//               from L2; prompts go in chunks of rows whose activations stay in L2).
+//               from L2; prompts go in chunks of rows whose activations stay in L2). The MLP's gate/up can run
+//               fused with its activation (linear_silu_mul), writing bf16 tiles the down projection reads as they are.
 //   scalar:     the same sums in plain C++ (one fmaf per k), for CPUs with neither.
 #include "linear.h"
 #include "tiles.h"
@@ -269,7 +270,8 @@ static void linear_scalar(const PackedLinear& w, const float* x, int64_t m, int6
 // tile loaded once serves MB blocks and an activation tile NB strips.
 constexpr int PREFETCH_STEPS = 6;  // k steps of 32 a weight prefetch runs ahead
 template <int MB, int NB>
-__attribute__((target("amx-tile,amx-bf16,avx512f"))) static void tile_amx(const PackedLinear& w, int64_t s0,
+__attribute__((target("amx-tile,amx-bf16,avx512f"))) static void tile_amx(const PackedLinear& w,
+                                                                          const uint16_t* const* strips,
                                                                           const uint16_t* xt, float* const* dest,
                                                                           const int64_t* dest_stride) {
   static_assert(MB <= 2 && MB * NB <= 4, "four accumulator tiles, two activation tiles");
@@ -277,8 +279,6 @@ __attribute__((target("amx-tile,amx-bf16,avx512f"))) static void tile_amx(const 
   if (MB * NB > 1) _tile_zero(1);
   if (MB * NB > 2) _tile_zero(2);
   if (MB * NB > 3) _tile_zero(3);
-  const uint16_t* strips[NB];
-  for (int b = 0; b < NB; ++b) strips[b] = w.strip(s0 + b);
   const int64_t block_stride = 16 * w.k_pad;  // a block's tiles, in k order
   for (int64_t p = 0; p < w.k_pad / 2; p += 16) {
     const uint16_t* xp = xt + 32 * p;
@@ -353,7 +353,9 @@ static void run_amx(const PackedLinear& w, const uint16_t* xb, int64_t block0, i
       dest[t] = whole[t] ? y + row0 * y_stride + col : out + t * 256;
       dest_stride[t] = whole[t] ? y_stride * int64_t(sizeof(float)) : 64;
     }
-  tile_amx<MB, NB>(w, s0, xb + block0 * 16 * w.k_pad, dest, dest_stride);
+  const uint16_t* strips[NB];
+  for (int b = 0; b < NB; ++b) strips[b] = w.strip(s0 + b);
+  tile_amx<MB, NB>(w, strips, xb + block0 * 16 * w.k_pad, dest, dest_stride);
   for (int i = 0; i < MB; ++i)
     for (int b = 0; b < NB; ++b) {
       const int t = MB == 1 ? b : i + 2 * b;
@@ -385,17 +387,26 @@ static void strip_group_amx(const PackedLinear& w, const uint16_t* xb, int64_t m
 // a chunk's activation tiles stay in L2 while the strips' weights stream past (prompts of 512 rows x 4864 k hold 5 MB).
 constexpr int64_t AMX_ROW_CHUNK_BYTES = 1 << 20;
 
-static void linear_amx(const PackedLinear& w, const float* x, int64_t m, int64_t x_stride, float* y,
-                       int64_t y_stride) {
+// Row blocks a chunk takes: whole pairs whose activation tiles fit in AMX_ROW_CHUNK_BYTES.
+static int64_t amx_row_chunk(int64_t k_pad) {
+  return std::max<int64_t>(2, AMX_ROW_CHUNK_BYTES / (16 * k_pad * 2) / 2 * 2);
+}
+
+// Activations in tile order (torch's allocator aligns them to 64 bytes); rows past m pad the last block with 0.
+static at::Tensor amx_activation_tiles(const float* x, int64_t m, int64_t k, int64_t x_stride, int64_t k_pad) {
   const int64_t blocks = (m + 15) / 16;
-  // activations in tile order (torch's allocator aligns them to 64 bytes); rows past m pad the last block with 0
-  const at::Tensor tiles = at::empty({blocks * 16 * w.k_pad}, at::kBFloat16);
+  at::Tensor tiles = at::empty({blocks * 16 * k_pad}, at::kBFloat16);
   uint16_t* xb = reinterpret_cast<uint16_t*>(tiles.data_ptr());
-  if (m % 16) std::memset(xb + (blocks - 1) * 16 * w.k_pad, 0, 16 * w.k_pad * sizeof(uint16_t));
-  round_rows_to_bf16_tiles(x, m, w.k, x_stride, xb, w.k_pad);
+  if (m % 16) std::memset(xb + (blocks - 1) * 16 * k_pad, 0, 16 * k_pad * sizeof(uint16_t));
+  round_rows_to_bf16_tiles(x, m, k, x_stride, xb, k_pad);
+  return tiles;
+}
+
+void linear_from_tiles(const PackedLinear& w, const uint16_t* xb, int64_t m, float* y, int64_t y_stride) {
+  TORCH_CHECK(w.isa == Isa::amx && w.format == Format::bf16, "linear_from_tiles runs bf16 weights on amx");
+  const int64_t blocks = (m + 15) / 16;
   constexpr int NB = 4;
-  const int64_t strips = w.n_pad / 16, groups = (strips + NB - 1) / NB;
-  const int64_t chunk = std::max<int64_t>(2, AMX_ROW_CHUNK_BYTES / (16 * w.k_pad * 2) / 2 * 2);  // whole pairs
+  const int64_t strips = w.n_pad / 16, groups = (strips + NB - 1) / NB, chunk = amx_row_chunk(w.k_pad);
   at::parallel_for(0, groups, 1, [&](int64_t g0, int64_t g1) {
     configure_bf16_tiles();  // tile state is per thread
     alignas(64) float out[4 * 256];
@@ -403,6 +414,74 @@ static void linear_amx(const PackedLinear& w, const float* x, int64_t m, int64_t
       for (int64_t g = g0; g < g1; ++g)
         strip_group_amx(w, xb, m, first, std::min(blocks, first + chunk), g * NB, std::min<int64_t>(NB, strips - g * NB),
                         out, y, y_stride);
+  });
+}
+
+static void linear_amx(const PackedLinear& w, const float* x, int64_t m, int64_t x_stride, float* y,
+                       int64_t y_stride) {
+  const at::Tensor tiles = amx_activation_tiles(x, m, w.k, x_stride, w.k_pad);
+  linear_from_tiles(w, reinterpret_cast<const uint16_t*>(tiles.data_ptr()), m, y, y_stride);
+}
+
+// ---- amx, the MLP's gate/up fused with its activation ---------------------------------------------------------
+// Gate strip j and up strip j + I / 16 share a tile step, so one step's four accumulators hold both halves of 16
+// intermediate columns for two row blocks; silu(gate) * up is taken there and rounded to bf16 straight into the
+// down projection's tile order. The [rows x 2I] fp32 output and the [rows x I] activation never go through memory:
+// on prompts they are most of an MLP's traffic. Every value is the one linear, silu_mul and the down projection's
+// own rounding make (the same tile products, the same silu_mul, vcvtneps2bf16 as round_rows_to_bf16_tiles).
+
+bool fuses_silu_mul(const PackedLinear& gate_up) {
+  return gate_up.isa == Isa::amx && gate_up.format == Format::bf16 && gate_up.n % 64 == 0 &&
+         cpu_has(Isa::avx512bf16);
+}
+
+// Rows r of one 16-column slice: act[r] = bf16(silu(gate[r]) * up[r]) (16 floats a row, 16 rows).
+__attribute__((target("avx512f,avx512bf16"))) static void silu_mul_tile_rows(const float* gate, const float* up,
+                                                                           uint16_t* act) {
+  for (int r = 0; r < 16; ++r) {
+    v16f g, u;
+    std::memcpy(&g, gate + r * 16, sizeof(g));
+    std::memcpy(&u, up + r * 16, sizeof(u));
+    const v16f a = silu_mul(g, u);
+    __m512 av;
+    std::memcpy(&av, &a, sizeof(a));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(act + r * 32), (__m256i)_mm512_cvtneps_pbh(av));
+  }
+}
+
+// Intermediate columns [16 j, 16 j + 16) of MB row blocks from block0 (accumulator of (block i, strip b): tile
+// b for MB == 1, i + 2 b for MB == 2, as in run_amx).
+template <int MB>
+static void silu_mul_step_amx(const PackedLinear& w, const uint16_t* xb, int64_t block0, int64_t j, float* out,
+                              uint16_t* act) {
+  const int64_t I = w.n / 2;
+  const uint16_t* strips[2] = {w.strip(j), w.strip(j + I / 16)};
+  float* dest[4] = {out, out + 256, out + 512, out + 768};
+  const int64_t stride[4] = {64, 64, 64, 64};
+  tile_amx<MB, 2>(w, strips, xb + block0 * 16 * w.k_pad, dest, stride);
+  for (int i = 0; i < MB; ++i) {
+    const float* gate = out + (MB == 1 ? 0 : i) * 256;
+    const float* up = out + (MB == 1 ? 1 : i + 2) * 256;
+    silu_mul_tile_rows(gate, up, act + (block0 + i) * 16 * I + (j / 2) * 512 + (j % 2) * 16);
+  }
+}
+
+void linear_silu_mul(const PackedLinear& w, const float* x, int64_t m, int64_t x_stride, uint16_t* act) {
+  TORCH_CHECK(fuses_silu_mul(w), "linear_silu_mul runs bf16 [gate | up] weights of a width in 64s on amx");
+  const at::Tensor tiles = amx_activation_tiles(x, m, w.k, x_stride, w.k_pad);
+  const uint16_t* xb = reinterpret_cast<const uint16_t*>(tiles.data_ptr());
+  const int64_t blocks = (m + 15) / 16, chunk = amx_row_chunk(w.k_pad);
+  // threads take pairs of j: one pair fills one 32-k column of the activation tiles, so no two threads share a line
+  at::parallel_for(0, w.n / 64, 1, [&](int64_t p0, int64_t p1) {
+    configure_bf16_tiles();
+    alignas(64) float out[4 * 256];
+    for (int64_t first = 0; first < blocks; first += chunk) {
+      const int64_t last = std::min(blocks, first + chunk), pairs_end = first + (last - first) / 2 * 2;
+      for (int64_t j = 2 * p0; j < 2 * p1; ++j) {
+        for (int64_t block = first; block < pairs_end; block += 2) silu_mul_step_amx<2>(w, xb, block, j, out, act);
+        if (pairs_end < last) silu_mul_step_amx<1>(w, xb, pairs_end, j, out, act);
+      }
+    }
   });
 }
 

@@ -43,6 +43,15 @@ PackedLinear pack_linear_q8_0(const at::Tensor& q, const at::Tensor& d, Isa isa)
 void linear(const PackedLinear& w, const float* x, int64_t m, int64_t x_stride, float* y, int64_t y_stride);
 void linear_q8_0(const PackedLinear& w, const float* x, int64_t m, int64_t x_stride, float* y, int64_t y_stride);
 
+// The amx path's activation tiles, [ceil(m / 16)][k_pad / 32][16 rows][32 k] bf16 (rows past m are 0): a linear from
+// activations already in that order (bf16 weights on amx).
+void linear_from_tiles(const PackedLinear& w, const uint16_t* tiles, int64_t m, float* y, int64_t y_stride);
+// Whether linear_silu_mul runs this fused [gate | up] weight (amx, bf16, 2I a multiple of 64).
+bool fuses_silu_mul(const PackedLinear& gate_up);
+// act = silu(x Wg^T) * (x Wu^T) for the weight [gate | up] of width 2I, rounded to bf16 into act in the tile order
+// above (k = I): bit for bit what linear, silu_mul and linear's own rounding of act into tiles give.
+void linear_silu_mul(const PackedLinear& gate_up, const float* x, int64_t m, int64_t x_stride, uint16_t* act);
+
 // A register-only loop of the path's multiply-accumulate instruction: multiply-accumulates per second
 // on one core (the compute roofline).
 double peak_macs_per_second(Isa isa, int64_t iterations);

@@ -1,0 +1,123 @@
+"""Where a prompt's time goes against the kernel path's measured MAC peak: a preset's compiled prompt passes
+(chunks of PROMPT_CHUNK rows) at agent prompt lengths, split into linears / attention / head / rest, each with the
+multiply-accumulates it computed per second and its share of the path's register-loop peak; beside them torch's own
+bf16 GEMM (oneDNN) on the same linear shapes at one chunk's rows, measured in the same run.
+
+    python benchmarks/prompt_roofline.py --model qwen2.5-coder-0.5b --lengths 512,2048 --repeats 5 --out FILE
+
+For A/B runs of two trees, alternate processes with PYTHONPATH at each (the kernels are built per source version).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from pathlib import Path
+
+import torch
+from printed import Printed
+
+from specstand import kernels
+from specstand.models import load_model
+from specstand.runner import TargetRunner
+from specstand.runner.runner import PROMPT_CHUNK
+
+PHASES = ("linear", "attention", "head", "other")
+
+
+def prompt_macs(shape, length: int) -> dict[str, float]:
+    """Multiply-accumulates of a `length`-token prompt by phase: every layer's linears per token, causal
+    attention (q.k and p.v over positions 0..p for the row at p), the head once per chunk (its last row)."""
+    s = shape
+    per_token = s.num_layers * (s.hidden_size * (s.q_size + 2 * s.kv_size) + s.q_size * s.hidden_size
+                                + 3 * s.hidden_size * s.intermediate_size)
+    attention = s.num_layers * s.num_heads * 2 * s.head_dim * length * (length + 1) / 2
+    chunks = -(-length // PROMPT_CHUNK)
+    return {"linear": per_token * length, "attention": attention, "head": chunks * s.hidden_size * s.vocab_size,
+            "other": 0.0}
+
+
+def time_prompt(runner: TargetRunner, prompt: list[int], repeats: int) -> tuple[float, dict[str, float]]:
+    """Median seconds of the whole prompt and the mean seconds of each phase over the repeats (one warm-up)."""
+    slot = runner.cache.allocate()
+    compiled = runner.compiled
+    times, phases = [], dict.fromkeys(PHASES, 0.0)
+    for repeat in range(repeats + 1):
+        runner.cache.rollback(slot, 0)
+        compiled.take_profile()
+        started = time.perf_counter()
+        runner.prefill(slot, prompt)
+        if repeat:
+            times.append(time.perf_counter() - started)
+            for phase, seconds in compiled.take_profile().items():
+                phases[phase] += seconds / repeats
+    runner.cache.release(slot)
+    return statistics.median(times), phases
+
+
+def torch_gemm_rate(shape, rows: int, repeats: int) -> float:
+    """torch's bf16 matmul (oneDNN on these CPUs) over one layer's linear shapes at `rows` rows: MAC/s."""
+    s, generator = shape, torch.Generator().manual_seed(0)
+    shapes = ((s.q_size + 2 * s.kv_size, s.hidden_size), (s.hidden_size, s.q_size),
+              (2 * s.intermediate_size, s.hidden_size), (s.hidden_size, s.intermediate_size))
+    seconds, macs = 0.0, 0
+    for n, k in shapes:
+        weight = torch.randn(n, k, generator=generator).bfloat16()
+        x = torch.randn(rows, k, generator=generator).bfloat16()
+        out = torch.empty(rows, n, dtype=torch.bfloat16)
+        torch.matmul(x, weight.t(), out=out)
+        times = []
+        for _ in range(repeats):
+            started = time.perf_counter()
+            torch.matmul(x, weight.t(), out=out)
+            times.append(time.perf_counter() - started)
+        seconds += statistics.median(times)
+        macs += rows * n * k
+    return macs / seconds
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", default="qwen2.5-coder-0.5b")
+    parser.add_argument("--lengths", default="512,2048", help="prompt lengths in tokens, comma-separated")
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--out", type=Path, help="also write the report here")
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    say = Printed()
+    lengths = [int(n) for n in args.lengths.split(",")]
+    loaded = load_model(args.model, "bf16", max_seq_len=max(lengths) + 64, log=lambda _: None)
+    compiled = loaded.decoder.compiled
+    if compiled is None or not compiled.fast_for_prompts:
+        raise SystemExit("this path computes prompts with torch, not the compiled forward: nothing to measure")
+    shape = loaded.decoder.shape
+    peak = kernels.peak_macs_per_second(compiled.path) * args.threads
+    say(f"# prompt roofline: {args.model} bf16, {args.threads} threads, {PROMPT_CHUNK}-row chunks, "
+        f"medians of {args.repeats}")
+    say(f"cpu: {kernels.cpu_model()}; flags: {' '.join(kernels.cpu_flags())}; kernel path: {compiled.path}")
+    say(f"peak {peak / 1e9:.0f} GMAC/s ({compiled.path} register loop x {args.threads} cores); read bandwidth "
+        f"{kernels.read_bandwidth_gbs():.1f} GB/s")
+    say()
+    say("tokens | tokens/s | % of peak | " + " | ".join(f"{p} ms (% of peak)" for p in PHASES))
+    runner = TargetRunner(loaded.decoder, 1, max(lengths) + 64)
+    generator = torch.Generator().manual_seed(1)
+    for length in lengths:
+        prompt = torch.randint(10, 1000, (length,), generator=generator).tolist()
+        seconds, phases = time_prompt(runner, prompt, args.repeats)
+        macs = prompt_macs(shape, length)
+        cells = [f"{phases[p] * 1e3:.1f}" + (f" ({macs[p] / phases[p] / peak:.0%})" if macs[p] else "")
+                 for p in PHASES]
+        say(f"{length:6d} | {length / seconds:8.0f} | {sum(macs.values()) / seconds / peak:9.0%} | "
+            + " | ".join(cells))
+    rate = torch_gemm_rate(shape, PROMPT_CHUNK, args.repeats)
+    say()
+    say(f"peer: torch {torch.__version__} bf16 matmul on one layer's four linear shapes at {PROMPT_CHUNK} rows: "
+        f"{rate / 1e9:.0f} GMAC/s ({rate / peak:.0%} of peak)")
+    say(f"read bandwidth after the run {kernels.read_bandwidth_gbs():.1f} GB/s")
+    say.write(args.out)
+
+
+if __name__ == "__main__":
+    main()

@@ -100,7 +100,8 @@ def main() -> None:
     say(f"peak {peak / 1e9:.0f} GMAC/s ({compiled.path} register loop x {args.threads} cores); read bandwidth "
         f"{kernels.read_bandwidth_gbs():.1f} GB/s")
     say()
-    say("tokens | tokens/s | % of peak | " + " | ".join(f"{p} ms (% of peak)" for p in PHASES))
+    say("tokens | tokens/s | % of peak | "
+        + " | ".join(f"{p} ms" + (" (% of peak)" if p != "other" else "") for p in PHASES))
     runner = TargetRunner(loaded.decoder, 1, max(lengths) + 64)
     generator = torch.Generator().manual_seed(1)
     for length in lengths:

@@ -108,22 +108,46 @@ class AcceptanceModel:
 @dataclass
 class PassCost:
     """Seconds of one target pass by its total rows and the cached positions they attend over (keys): the
-    profile's shape (interpolated between its row counts, plus a cost per row-key for attention) times a
-    scale that follows the passes actually run (memory bandwidth drifts, neighbours load the host, and the
-    start-up profile may itself have run on a busy machine)."""
+    profile (interpolated between its row counts, plus a cost per row-key for attention) follows the passes
+    actually run on two time scales. Every pass moves a scale of the whole profile quickly (memory bandwidth
+    drifts, neighbours load the host); what the scale cannot explain, passes of different row counts that
+    disagree with the profile's shape, slowly corrects the row counts around theirs, so a start-up profile
+    taken on a busy machine (several servers profiling at once) does not keep a wrong shape for life."""
 
     rows: list[int]
     seconds: list[float]
     per_key: float = 0.0  # seconds per row per cached position it attends over
     scale: float = 1.0
+    rate: float = 0.1  # how far one observed pass moves the scale toward itself
+    shape_rate: float = 0.02  # and the profiled row counts around it (slower: drift goes to the scale first)
 
     def __call__(self, rows: int, keys: float = 0.0) -> float:
         return self.scale * self._profiled(rows, keys)
 
     def observe(self, rows: int, seconds: float, keys: float = 0.0) -> None:
         predicted = self._profiled(rows, keys)
-        if predicted > 0:
-            self.scale = 0.9 * self.scale + 0.1 * seconds / predicted
+        if predicted <= 0:
+            return
+        self.scale = (1 - self.rate) * self.scale + self.rate * seconds / predicted
+        if rows > self.rows[0]:
+            self._reshape(rows, seconds / self.scale - self.per_key * keys)
+
+    def _reshape(self, rows: int, wanted: float) -> None:
+        """Move the profiled seconds of the row counts around `rows` so that their interpolation nears `wanted`
+        (each by its interpolation weight; one pass moves it by at most a factor of 2), keeping more rows
+        never cheaper than fewer."""
+        now = float(np.interp(rows, self.rows, self.seconds))
+        if now <= 0 or wanted <= 0:
+            return
+        step = self.shape_rate * (min(2.0, max(0.5, wanted / now)) - 1.0)
+        upper = min(int(np.searchsorted(self.rows, rows)), len(self.rows) - 1)
+        lower = max(upper - 1, 0)
+        span = self.rows[upper] - self.rows[lower]
+        weight_upper = 1.0 if span == 0 else min(1.0, (rows - self.rows[lower]) / span)
+        for index, weight in ((lower, 1.0 - weight_upper), (upper, weight_upper)):
+            if index > 0:  # the one-row point is the scale's anchor
+                self.seconds[index] *= 1.0 + step * weight
+        self.seconds = [float(s) for s in np.maximum.accumulate(self.seconds)]
 
     def _profiled(self, rows: int, keys: float) -> float:
         return float(np.interp(rows, self.rows, self.seconds)) + self.per_key * keys

@@ -8,12 +8,15 @@ machine without a compiler) keeps the readable Python forward.
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import os
 import shutil
 import statistics
 import sys
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from functools import cache
 from pathlib import Path
 from types import ModuleType
@@ -51,18 +54,46 @@ def load() -> ModuleType:
     build = _cache_dir(key)
     build.mkdir(parents=True, exist_ok=True)
     try:
-        return cpp_extension.load(
-            name=f"specstand_kernels_{key}",
-            sources=[str(folder / name) for name in SOURCES],
-            # -ffp-contract=off: no FMA the source did not ask for, so lane ops round the same everywhere
-            extra_cflags=["-O3", "-ffp-contract=off", "-fopenmp", "-std=c++17"],
-            extra_ldflags=["-fopenmp"],
-            build_directory=str(build),
-            verbose=False,
-        )
+        with _build_lock(build):
+            return cpp_extension.load(
+                name=f"specstand_kernels_{key}",
+                sources=[str(folder / name) for name in SOURCES],
+                # -ffp-contract=off: no FMA the source did not ask for, so lane ops round the same everywhere
+                extra_cflags=["-O3", "-ffp-contract=off", "-fopenmp", "-std=c++17"],
+                extra_ldflags=["-fopenmp"],
+                build_directory=str(build),
+                verbose=False,
+            )
     except (RuntimeError, OSError, ImportError) as error:
         last = str(error).strip().splitlines()[-1] if str(error).strip() else type(error).__name__
         raise KernelsUnavailable(f"the kernels did not build ({last}); using the Python forward") from None
+
+
+# torch's lock file older than this was left by a builder that died (a build here takes 30-60 s on 2 cores)
+STALE_BUILD_LOCK_SECONDS = 180
+
+
+@contextmanager
+def _build_lock(build: Path) -> Iterator[None]:
+    """An flock on the build folder while the extension builds or loads. torch's own lock there is a file that a
+    builder removes when it finishes: one killed mid-build (a server stopped while it started) leaves it behind,
+    and every later start would wait on it forever. The kernel releases an flock when its holder dies, so a
+    process holding this one is the only specstand builder alive; a lock file it still finds belongs to a dead
+    builder, or to a specstand from before this flock (another tree sharing the cache) whose build is running:
+    it waits until the file is STALE_BUILD_LOCK_SECONDS old, then drops it."""
+    with open(build / "specstand.lock", "w") as held:
+        fcntl.flock(held, fcntl.LOCK_EX)
+        left = build / "lock"
+        while True:
+            try:
+                age = time.time() - left.stat().st_mtime
+            except FileNotFoundError:
+                break
+            if age >= STALE_BUILD_LOCK_SECONDS:
+                left.unlink(missing_ok=True)
+                break
+            time.sleep(1.0)
+        yield
 
 
 def available_paths() -> list[str]:

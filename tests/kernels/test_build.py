@@ -1,0 +1,36 @@
+"""Building and loading the extension: a build killed half way never blocks the next start."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from specstand import kernels
+from tests.conftest import KERNEL_PATHS
+
+pytestmark = pytest.mark.skipif(not KERNEL_PATHS, reason="the kernels do not build on this machine")
+
+
+def test_a_lock_left_by_a_killed_build_does_not_hang_the_next_load(tmp_path):
+    """torch's build lock is a file its builder removes when done; a server stopped while it built the kernels
+    left one behind, and the next start waited on it forever. A load now drops it once it is stale and goes on."""
+    built = Path(kernels.load().__file__).parent  # this source version's build folder
+    copy = tmp_path / "kernels" / built.name
+    shutil.copytree(built, copy)
+    (copy / "specstand.lock").unlink(missing_ok=True)
+    left = copy / "lock"  # what a builder killed some minutes ago left
+    left.touch()
+    stale = time.time() - kernels.STALE_BUILD_LOCK_SECONDS - 1
+    os.utime(left, (stale, stale))
+    loaded = subprocess.run([sys.executable, "-c", "from specstand import kernels; print(kernels.load().__file__)"],
+                            env={**os.environ, "SPECSTAND_CACHE": str(tmp_path)}, capture_output=True, text=True,
+                            timeout=300)
+    assert loaded.returncode == 0, loaded.stderr
+    assert Path(loaded.stdout.strip()).parent == copy
+    assert not (copy / "lock").exists()

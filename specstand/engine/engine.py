@@ -291,6 +291,11 @@ class Engine:
             return self._adaptive.pass_cost
         return self._profile_pass_cost(self.width)
 
+    @property
+    def estimated_pass_cost(self) -> PassCost | None:
+        """Adaptive verification's pass costs as the passes run so far have corrected them (None without it)."""
+        return self._adaptive.pass_cost if self._adaptive is not None else None
+
     def _profile_pass_cost(self, max_rows: int | None = None) -> PassCost:
         """Time target passes of 1 .. max_batch * (K + 1) rows in a scratch slot (before any request)."""
         max_rows = max_rows or self.config.max_batch * self.width

@@ -52,6 +52,9 @@ class ServerMetrics:
         self.pass_seconds = Gauge("specstand:pass_seconds_profiled", "A target pass's seconds by rows, profiled at "
                                   "start (1 row: a plain step; K + 1 rows: a full verify).", [*labels, "rows"],
                                   registry=r)
+        self.pass_estimated = Gauge("specstand:pass_seconds_estimated", "A target pass's seconds by rows as "
+                                    "adaptive verification prices it now: the start-up profile as the passes run "
+                                    "have corrected it.", [*labels, "rows"], registry=r)
         self.exact = Gauge("specstand:exact", "1 where greedy answers are token-identical to plain decoding by "
                            "construction (checked at start); 0 on the fallback forward where the check failed: "
                            "the stand's identical-answer rate then says how often drafts changed an answer.",
@@ -103,6 +106,9 @@ class ServerMetrics:
 
     def set_pass_seconds(self, rows: int, seconds: float) -> None:
         self.pass_seconds.labels(self._model, str(rows)).set(seconds)
+
+    def set_pass_seconds_estimated(self, rows: int, seconds: float) -> None:
+        self.pass_estimated.labels(self._model, str(rows)).set(seconds)
 
     def record_cancelled(self) -> None:
         self.requests.labels(self._model, "cancelled").inc()

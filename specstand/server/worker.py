@@ -158,6 +158,10 @@ class EngineWorker:
             self.metrics.add_engine_seconds(phases)
             store = self.engine.prefix_cache.store
             self.metrics.set_store_bytes(store.nbytes if store is not None else 0)
+            cost = self.engine.estimated_pass_cost
+            if cost is not None:
+                for rows in sorted({1, self.engine.width}):
+                    self.metrics.set_pass_seconds_estimated(rows, cost(rows))
 
     def _take_inbox(self) -> None:
         while self._inbox:

@@ -189,6 +189,23 @@ def test_metrics_use_vllm_names_and_count_what_happened(server):
     assert after["specstand:tau"] > 1.0
     assert abs(grew("specstand:draft_seconds_total") - stats["draft_seconds"]) < 1e-6
     assert after["specstand:pass_seconds_profiled"] > 0  # a plain step and a full verify, profiled at start
+    assert "specstand:pass_seconds_estimated" not in after  # fixed K: no pass is priced
+
+
+def test_an_adaptive_server_shows_its_pass_costs_as_the_passes_corrected_them(tiny_model_dir):
+    live = LiveServer(tiny_model_dir, method="ngram", max_batch=2, max_queue=4)  # adaptive verification
+    try:
+        served = live.client.models.list().data[0].id
+        live.client.chat.completions.create(model=served, messages=[{"role": "user", "content": PROMPTS[0]}],
+                                            max_tokens=16, temperature=0)
+        text = httpx.get(live.url + "/metrics").text
+        estimated = {line.split('rows="')[1].split('"')[0]: float(line.rsplit(" ", 1)[1])
+                     for line in text.splitlines() if line.startswith("specstand:pass_seconds_estimated{")}
+        cost = live.worker.engine.estimated_pass_cost
+        assert set(estimated) == {"1", str(live.worker.engine.width)}
+        assert all(seconds == pytest.approx(cost(int(rows))) for rows, seconds in estimated.items())
+    finally:
+        live.close()
 
 
 def test_disconnect_frees_the_slot(tiny_model_dir):

@@ -105,21 +105,29 @@ class AcceptanceModel:
         self._weights = w
 
 
+# a one-row pass this many passes old or newer is the reference a pass of more rows is measured against
+PLAIN_REFERENCE_PASSES = 32
+
+
 @dataclass
 class PassCost:
     """Seconds of one target pass by its total rows and the cached positions they attend over (keys): the
     profile (interpolated between its row counts, plus a cost per row-key for attention) follows the passes
-    actually run on two time scales. Every pass moves a scale of the whole profile quickly (memory bandwidth
-    drifts, neighbours load the host); what the scale cannot explain, passes of different row counts that
-    disagree with the profile's shape, slowly corrects the row counts around theirs, so a start-up profile
-    taken on a busy machine (several servers profiling at once) does not keep a wrong shape for life."""
+    actually run. Every pass moves a scale of the whole profile (memory bandwidth drifts, neighbours load the
+    host). The profile's shape, what a pass of more rows costs against a one-row pass, is measured too: each
+    such pass against the latest one-row pass, and the row counts around it move slowly toward that ratio
+    times the one-row point, so a start-up profile taken on a busy machine (several servers profiling at
+    once) does not keep a wrong shape for life. Without recent one-row passes the shape stays as it is: the
+    scale alone cannot be told from it."""
 
     rows: list[int]
     seconds: list[float]
     per_key: float = 0.0  # seconds per row per cached position it attends over
     scale: float = 1.0
     rate: float = 0.1  # how far one observed pass moves the scale toward itself
-    shape_rate: float = 0.02  # and the profiled row counts around it (slower: drift goes to the scale first)
+    shape_rate: float = 0.02  # and one compared with a recent one-row pass moves the row counts around it
+    _plain: float = field(default=0.0, repr=False)  # the latest one-row pass's seconds, attention left out
+    _since_plain: int = field(default=PLAIN_REFERENCE_PASSES + 1, repr=False)
 
     def __call__(self, rows: int, keys: float = 0.0) -> float:
         return self.scale * self._profiled(rows, keys)
@@ -129,13 +137,18 @@ class PassCost:
         if predicted <= 0:
             return
         self.scale = (1 - self.rate) * self.scale + self.rate * seconds / predicted
-        if rows > self.rows[0]:
-            self._reshape(rows, seconds / self.scale - self.per_key * keys)
+        without_attention = seconds - self.scale * self.per_key * keys
+        if rows <= self.rows[0]:
+            self._plain, self._since_plain = without_attention, 0
+            return
+        self._since_plain += 1
+        if self._plain > 0 and self._since_plain <= PLAIN_REFERENCE_PASSES:
+            self._reshape(rows, self.seconds[0] * without_attention / self._plain)
 
     def _reshape(self, rows: int, wanted: float) -> None:
-        """Move the profiled seconds of the row counts around `rows` so that their interpolation nears `wanted`
-        (each by its interpolation weight; one pass moves it by at most a factor of 2), keeping more rows
-        never cheaper than fewer."""
+        """Move the profiled seconds of the row counts around `rows` toward making their interpolation `wanted`
+        (each by its interpolation weight, by at most 2 * shape_rate of itself a pass), keeping more rows never
+        cheaper than fewer. `wanted` comes from the passes alone, so noise in it averages out."""
         now = float(np.interp(rows, self.rows, self.seconds))
         if now <= 0 or wanted <= 0:
             return
@@ -145,7 +158,7 @@ class PassCost:
         span = self.rows[upper] - self.rows[lower]
         weight_upper = 1.0 if span == 0 else min(1.0, (rows - self.rows[lower]) / span)
         for index, weight in ((lower, 1.0 - weight_upper), (upper, weight_upper)):
-            if index > 0:  # the one-row point is the scale's anchor
+            if index > 0:  # the one-row point is the reference
                 self.seconds[index] *= 1.0 + step * weight
         self.seconds = [float(s) for s in np.maximum.accumulate(self.seconds)]
 

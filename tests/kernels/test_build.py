@@ -34,3 +34,23 @@ def test_a_lock_left_by_a_killed_build_does_not_hang_the_next_load(tmp_path):
     assert loaded.returncode == 0, loaded.stderr
     assert Path(loaded.stdout.strip()).parent == copy
     assert not (copy / "lock").exists()
+
+
+def test_a_lock_of_a_build_still_running_is_waited_for(tmp_path):
+    """A fresh lock file may belong to a specstand from before the flock, building right now: a load waits for
+    it rather than building beside it, and goes on once that builder removes it."""
+    built = Path(kernels.load().__file__).parent
+    copy = tmp_path / "kernels" / built.name
+    shutil.copytree(built, copy)
+    (copy / "specstand.lock").unlink(missing_ok=True)
+    left = copy / "lock"
+    left.touch()
+    loading = subprocess.Popen([sys.executable, "-c", "from specstand import kernels; kernels.load()"],
+                               env={**os.environ, "SPECSTAND_CACHE": str(tmp_path)})
+    try:
+        time.sleep(5)
+        assert loading.poll() is None and left.exists()  # still waiting, the other builder's lock untouched
+        left.unlink()  # that builder finished
+        assert loading.wait(timeout=300) == 0
+    finally:
+        loading.kill()

@@ -302,14 +302,14 @@ class Decoder {
   std::string isa() const { return isa_name(isa_); }
 
  private:
-  // Buffers of a pass, kept between passes: freshly allocated ones cost a page fault per 4 KiB, as much as
-  // the head's weight reads for a 64-row verify's logits.
-  // amx: the MLP's gate/up and activation in one kernel whose output the down projection reads as it is
+  // amx: the MLP's gate/up and activation in one kernel whose output the down projection reads as it is (its
+  // time counts as linear in the profile)
   bool fuses_mlp(const DecoderLayer& layer) const {
-    return fuses_silu_mul(layer.gate_up) && layer.down.isa == Isa::amx && layer.down.format == Format::bf16 &&
-           layer.down.k_pad == intermediate_;
+    return fuses_silu_mul(layer.gate_up) && layer.down.isa == Isa::amx && layer.down.format == Format::bf16;
   }
 
+  // Buffers of a pass, kept between passes: freshly allocated ones cost a page fault per 4 KiB, as much as
+  // the head's weight reads for a 64-row verify's logits.
   struct Scratch {
     std::vector<float> h, xn, qkv, attn, tmp, gu, act;
     AlignedVector<uint16_t> act_tiles;  // the fused MLP's activation, in the down projection's tile order

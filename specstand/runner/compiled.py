@@ -78,6 +78,11 @@ class CompiledDecoder:
         )
         return logits, {layer: t.to(self.model.dtype) for layer, t in zip(wanted, taps, strict=True)}
 
+    @property
+    def fused_mlp_layers(self) -> int:
+        """Layers whose MLP runs gate/up and its activation as one kernel (amx with bf16 weights)."""
+        return self._decoder.fused_mlp_layers
+
     def take_profile(self) -> dict[str, float]:
         """Seconds spent in linears, attention, the head and everything else since the last call."""
         return self._decoder.take_profile()

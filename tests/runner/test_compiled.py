@@ -224,3 +224,14 @@ def test_published_q8_0_blocks_run_as_given(family, path):
     with pytest.raises(ValueError, match="lack"):
         attach_compiled(DecoderModel(tiny_hf_model(family, torch.bfloat16), 512), path, weight_format="q8_0",
                         published={"lm_head.weight": published["lm_head.weight"]})
+
+
+@pytest.mark.parametrize("path", KERNEL_PATHS)
+def test_the_mlp_runs_fused_on_amx_with_bf16_weights_only(path):
+    """Which forward takes the fused gate/up + SiLU kernel (tested bit for bit against the unfused one in
+    tests/kernels/test_fused_mlp.py): every layer on amx with bf16 weights, no layer elsewhere or on q8_0."""
+    for weight_format in ("bf16", "q8_0"):
+        model = DecoderModel(tiny_hf_model("llama", torch.bfloat16), 512)  # intermediate 128: the kernel takes it
+        compiled = attach_compiled(model, path, weight_format=weight_format)
+        expected = model.shape.num_layers if path == "amx" and weight_format == "bf16" else 0
+        assert compiled.fused_mlp_layers == expected

@@ -13,6 +13,7 @@
 #include <ATen/ops/from_blob.h>
 #include <ATen/ops/zeros.h>
 
+#include <algorithm>
 #include <chrono>
 #include <map>
 #include <mutex>
@@ -198,7 +199,8 @@ class Decoder {
     const int64_t qkv_width = q_size + 2 * kv_size, I = intermediate_;
     Scratch& b = scratch_;
     b.h.resize(rows * H), b.xn.resize(rows * H), b.qkv.resize(rows * qkv_width), b.attn.resize(rows * q_size);
-    b.tmp.resize(rows * H), b.gu.resize(rows * 2 * I), b.act.resize(rows * I);
+    b.tmp.resize(rows * H);
+    if (fused_mlp_layers() < int64_t(layers_.size())) b.gu.resize(rows * 2 * I), b.act.resize(rows * I);
     std::vector<float>&h = b.h, &xn = b.xn, &qkv = b.qkv, &attn = b.attn, &tmp = b.tmp, &gu = b.gu, &act = b.act;
     const auto* embed = reinterpret_cast<const uint16_t*>(embed_.data_ptr());
     for (int64_t r = 0; r < rows; ++r)
@@ -301,6 +303,11 @@ class Decoder {
 
   std::string isa() const { return isa_name(isa_); }
 
+  // Layers whose MLP runs fused (fuses_mlp): all of them on amx with bf16 weights, else none.
+  int64_t fused_mlp_layers() const {
+    return std::count_if(layers_.begin(), layers_.end(), [&](const DecoderLayer& l) { return fuses_mlp(l); });
+  }
+
  private:
   // amx: the MLP's gate/up and activation in one kernel whose output the down projection reads as it is (its
   // time counts as linear in the profile)
@@ -394,5 +401,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("set_head", &specstand::Decoder::set_head)
       .def("forward", &specstand::Decoder::forward)
       .def("take_profile", &specstand::Decoder::take_profile)
-      .def_property_readonly("isa", &specstand::Decoder::isa);
+      .def_property_readonly("isa", &specstand::Decoder::isa)
+      .def_property_readonly("fused_mlp_layers", &specstand::Decoder::fused_mlp_layers);
 }

@@ -284,17 +284,16 @@ class Engine:
         ]
         return self.runner.run(inputs, width, self.tap_layers)
 
-    def pass_cost(self) -> PassCost:
-        """Seconds of a target pass by rows (adaptive verification's profile, else one of up to K + 1 rows
-        taken now): call it before any request, as it runs passes in a scratch slot."""
-        if self._adaptive is not None:
-            return self._adaptive.pass_cost
-        return self._profile_pass_cost(self.width)
-
     @property
     def estimated_pass_cost(self) -> PassCost | None:
         """Adaptive verification's pass costs as the passes run so far have corrected them (None without it)."""
         return self._adaptive.pass_cost if self._adaptive is not None else None
+
+    def pass_cost(self) -> PassCost:
+        """Seconds of a target pass by rows (adaptive verification's profile, else one of up to K + 1 rows
+        taken now): call it before any request, as it runs passes in a scratch slot."""
+        estimated = self.estimated_pass_cost
+        return estimated if estimated is not None else self._profile_pass_cost(self.width)
 
     def _profile_pass_cost(self, max_rows: int | None = None) -> PassCost:
         """Time target passes of 1 .. max_batch * (K + 1) rows in a scratch slot (before any request)."""

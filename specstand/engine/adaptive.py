@@ -234,10 +234,11 @@ class AdaptiveVerifier:
     draft_times: deque[float] = field(default_factory=lambda: deque(maxlen=15))
     max_pause: int = 16  # the doubling pause (1, 2, 4 ... steps without drafting) stops here
     # a drafting step that plain decoding would have beaten is "a probe": pauses stretch until probes cost at
-    # most this share of the plain steps between them (a drafter as slow as two plain steps: 40 steps), a
-    # share halved by each further probe in a row that did not pay either (80, 160 ... steps): a drafter that
-    # never pays on this traffic (a trained one off its domain, whose probes read every new prompt) then
-    # costs ever less, down to least_probe_share; a cheap one (a lookup) still comes back within max_pause steps
+    # most this share of the plain steps between them (what a probe loses against plain decoding: a drafter as
+    # slow as two plain steps, about 40 steps), a share halved by each further probe in a row that did not pay
+    # either (80, 160 ... steps): a drafter that never pays on this traffic (a trained one off its domain, whose
+    # probes read every new prompt) then costs ever less, down to least_probe_share; a cheap one (a lookup)
+    # still comes back within max_pause steps where draft rows are nearly free
     probe_share: float = 0.05
     least_probe_share: float = 0.005
     # bounds a pause bought by one freak probe; far above what real probes buy, so the share above holds
@@ -329,7 +330,11 @@ class AdaptiveVerifier:
             self._misses = min(self._misses + 1, 16)
             share = max(self.probe_share / 2 ** (self._misses - 1), self.least_probe_share)
             self._backoff = min(max(2 * self._backoff, 1), self.max_pause)
-            paid_for = math.ceil(this_draft / (share * plain_seconds))  # this step's drafting
+            # what this step lost against plain decoding: its drafting, and the rows it added to the pass less
+            # the plain time of the tokens they are expected to give (on two AVX2 cores a probe's one row a
+            # request costs most of a pass: priced at its drafting alone, a lookup probed every max_pause steps)
+            lost = this_draft + drafted_pass - plain_seconds * (requests + expected) / requests
+            paid_for = math.ceil(max(lost, 0.0) / (share * plain_seconds))
             self._pause = min(max(self._backoff, paid_for), self.longest_pause)
         else:
             self._backoff, self._misses = 0, 0

@@ -4,8 +4,9 @@
 //        kv head) fill 16-row tiles; each element of a tile product depends on its own row alone, and keys
 //        past a row's length weigh exactly 0, so which rows share a tile never changes a row's bits.
 //   avx512 (other widths on amx, all on avx512bf16): fp32 FMA over keys widened exactly on load.
-//   avx2 (head_dim a multiple of 8): fp32 FMA, 8 keys at a time, up to 4 rows of a request sharing each block
-//        of keys and values widened to fp32 in L1.
+//   avx2 (head_dim a multiple of 8): fp32 FMA with (row, head) pairs in the lanes (up to 48 pairs of a request
+//        sharing each block of keys and values widened to fp32 in L1), or, for at most 6 pairs (a decoding
+//        row), keys in the lanes; both make each score, sum and weighted value the same way.
 //   portable: 8-lane vectors (common.h) elsewhere.
 // Every sum has a fixed order that depends on the row's own cache length only, so a row computes the same
 // bits alone or beside other rows. Tasks group a request's rows per kv head, so its cache is read from
@@ -384,18 +385,21 @@ static void attend_task_amx(const float* q, int64_t q_stride, float* out, int64_
   flush();
 }
 
-// ---- avx2: 8 keys at a time, a few rows sharing each widened block ------------------------------------------
-// Scores: per row and head, the 8 keys' dot products in 8 accumulators over the head's width, then summed
-// across lanes by a fixed tree; values: a head's width in up to 8 accumulators, one FMA per key in key order.
-// The rows of a block share only the widened keys and values (work done once instead of per row and head,
-// which made the one-key-at-a-time loop below latency-bound): every sum a row makes is the same alone.
+// ---- avx2: (row, head) pairs in the lanes, no horizontal sums -----------------------------------------------
+// A task's query vectors (its rows x the heads sharing kv head `kv`) are transposed so that the 8 lanes of a
+// register hold 8 (row, head) pairs. A score is then one lane's chain of FMAs over the head's width, in order
+// d = 0, 1, ..., and a weighted value one lane's chain over the keys, in key order: each pair keeps its own
+// lane from the first multiply to the last, so which pairs share a register, and whether a row runs alone,
+// never changes its bits. A key or value element is broadcast to all lanes from a block widened to fp32 once
+// for every pair of the group (the transposed queries stay in L1).
 
-constexpr int64_t kAvx2Rows = 4;  // rows sharing a widened block
+constexpr int64_t kAvx2Pairs = 48;  // (row, head) pairs a group holds: 6 registers of 8 lanes
 
 struct Avx2Scratch {
-  AlignedVector<float> block;  // 8 keys (or values) widened to fp32: [8][head_dim]
-  std::vector<float> scores;   // [rows][group][padded keys]
-  AlignedVector<float> sums;   // [rows][group][head_dim]: the weighted values, before 1 / sum
+  AlignedVector<float> block;    // 8 keys (or values) widened to fp32: [8][head_dim]
+  AlignedVector<float> queries;  // [vector][head_dim][8 lanes]
+  AlignedVector<float> scores;   // [vector][padded keys][8 lanes]: scaled scores, then softmax numerators
+  AlignedVector<float> sums;     // [vector][head_dim][8 lanes]: weighted values, before 1 / sum
 };
 
 // 8 consecutive keys (or values) from `first_key` as fp32 rows of `dim`, zeros past the first `count`.
@@ -410,28 +414,205 @@ __attribute__((target("avx2"))) static void widen_block(const uint16_t* first_ke
     }
 }
 
-// out[i] = the sum of v[i]'s 8 lanes, ((0+1)+(2+3))+((4+5)+(6+7)), for 8 vectors at once.
-__attribute__((target("avx2"), always_inline)) static inline __m256 sum_lanes8(const __m256* v) {
-  const __m256 a = _mm256_hadd_ps(_mm256_hadd_ps(v[0], v[1]), _mm256_hadd_ps(v[2], v[3]));
-  const __m256 b = _mm256_hadd_ps(_mm256_hadd_ps(v[4], v[5]), _mm256_hadd_ps(v[6], v[7]));
-  return _mm256_add_ps(_mm256_permute2f128_ps(a, b, 0x20), _mm256_permute2f128_ps(a, b, 0x31));
-}
-
-// One head's scores against the 8 widened keys in `keys`, times `scale`, into `scores`.
-__attribute__((target("avx2,fma"), always_inline)) static inline void scores_block8(const float* q, const float* keys,
-                                                                                    int64_t dim, float scale,
-                                                                                    float* scores) {
-  __m256 dots[8];
-  const __m256 q0 = _mm256_loadu_ps(q);
-  for (int i = 0; i < 8; ++i) dots[i] = _mm256_mul_ps(q0, _mm256_load_ps(keys + i * dim));
-  for (int64_t d = 8; d < dim; d += 8) {
-    const __m256 qd = _mm256_loadu_ps(q + d);
-    for (int i = 0; i < 8; ++i) dots[i] = _mm256_fmadd_ps(qd, _mm256_load_ps(keys + i * dim + d), dots[i]);
+// Scores of V pair vectors against keys k0 .. k0 + K - 1 of the widened block, times `scale`, into
+// scores[vector][b + k][lane]. V x K accumulators: enough independent chains to hide the FMA latency.
+template <int V, int K>
+__attribute__((target("avx2,fma"), always_inline)) static inline void scores_tile(const float* queries,
+                                                                                 const float* keys, int64_t dim,
+                                                                                 int64_t padded, int64_t b,
+                                                                                 int64_t k0, float scale,
+                                                                                 float* scores) {
+  __m256 acc[V][K], qv[V];
+  for (int v = 0; v < V; ++v) qv[v] = _mm256_load_ps(queries + v * dim * 8);
+  for (int k = 0; k < K; ++k) {
+    const __m256 key = _mm256_broadcast_ss(keys + (k0 + k) * dim);
+    for (int v = 0; v < V; ++v) acc[v][k] = _mm256_mul_ps(qv[v], key);
   }
-  _mm256_storeu_ps(scores, _mm256_mul_ps(sum_lanes8(dots), _mm256_set1_ps(scale)));
+  for (int64_t d = 1; d < dim; ++d) {
+    for (int v = 0; v < V; ++v) qv[v] = _mm256_load_ps(queries + (v * dim + d) * 8);
+    for (int k = 0; k < K; ++k) {
+      const __m256 key = _mm256_broadcast_ss(keys + (k0 + k) * dim + d);
+      for (int v = 0; v < V; ++v) acc[v][k] = _mm256_fmadd_ps(qv[v], key, acc[v][k]);
+    }
+  }
+  const __m256 scale_v = _mm256_set1_ps(scale);
+  for (int v = 0; v < V; ++v)
+    for (int k = 0; k < K; ++k)
+      _mm256_store_ps(scores + (v * padded + b + k0 + k) * 8, _mm256_mul_ps(acc[v][k], scale_v));
 }
 
-// sums[d0 .. d0 + 8 N) += weights[j] * values[j][d0 ..] for the first `count` keys of the block, in key order.
+// sums[vector][d0 .. d0 + C][lane] += weights[vector][b + j][lane] * values[j][d] over the block's 8 keys, in key
+// order, for V pair vectors.
+template <int V, int C>
+__attribute__((target("avx2,fma"), always_inline)) static inline void weigh_tile(const float* weights,
+                                                                                const float* values, int64_t dim,
+                                                                                int64_t padded, int64_t b,
+                                                                                int64_t d0, float* sums) {
+  __m256 acc[V][C];
+  for (int v = 0; v < V; ++v)
+    for (int c = 0; c < C; ++c) acc[v][c] = _mm256_load_ps(sums + (v * dim + d0 + c) * 8);
+  for (int64_t j = 0; j < 8; ++j) {
+    __m256 w[V];
+    for (int v = 0; v < V; ++v) w[v] = _mm256_load_ps(weights + (v * padded + b + j) * 8);
+    for (int c = 0; c < C; ++c) {
+      const __m256 value = _mm256_broadcast_ss(values + j * dim + d0 + c);
+      for (int v = 0; v < V; ++v) acc[v][c] = _mm256_fmadd_ps(w[v], value, acc[v][c]);
+    }
+  }
+  for (int v = 0; v < V; ++v)
+    for (int c = 0; c < C; ++c) _mm256_store_ps(sums + (v * dim + d0 + c) * 8, acc[v][c]);
+}
+
+// Every pair vector's scores against the widened block at key b, up to 3 vectors a tile.
+__attribute__((target("avx2,fma"))) static void scores_block(const float* queries, const float* keys, int64_t vectors,
+                                                            int64_t dim, int64_t padded, int64_t b, float scale,
+                                                            float* scores) {
+  for (int64_t v = 0; v < vectors; v += 3) {
+    const float* q = queries + v * dim * 8;
+    float* out = scores + v * padded * 8;
+    switch (std::min<int64_t>(3, vectors - v)) {
+      case 1: scores_tile<1, 8>(q, keys, dim, padded, b, 0, scale, out); break;
+      case 2:
+        scores_tile<2, 4>(q, keys, dim, padded, b, 0, scale, out);
+        scores_tile<2, 4>(q, keys, dim, padded, b, 4, scale, out);
+        break;
+      default:
+        scores_tile<3, 4>(q, keys, dim, padded, b, 0, scale, out);
+        scores_tile<3, 4>(q, keys, dim, padded, b, 4, scale, out);
+        break;
+    }
+  }
+}
+
+__attribute__((target("avx2,fma"))) static void weigh_block(const float* weights, const float* values,
+                                                           int64_t vectors, int64_t dim, int64_t padded, int64_t b,
+                                                           float* sums) {
+  for (int64_t v = 0; v < vectors; v += 3) {
+    const float* w = weights + v * padded * 8;
+    float* out = sums + v * dim * 8;
+    const int64_t left = std::min<int64_t>(3, vectors - v);
+    for (int64_t d0 = 0; d0 < dim; d0 += left == 1 ? 8 : 4) {
+      switch (left) {
+        case 1: weigh_tile<1, 8>(w, values, dim, padded, b, d0, out); break;
+        case 2: weigh_tile<2, 4>(w, values, dim, padded, b, d0, out); break;
+        default: weigh_tile<3, 4>(w, values, dim, padded, b, d0, out); break;
+      }
+    }
+  }
+}
+
+// Softmax numerators of one pair vector's scores ([padded keys][8 lanes]), in place: exp(x - max) over each
+// lane's first lengths[lane] keys and exactly 0 past them; returns 1 / each lane's sum. The sum is the one
+// softmax_numerators8 makes with keys in the lanes: 8 partial sums (key j into partial j % 8, in key order),
+// then v8_sum's tree, so that both layouts give a pair the same bits.
+__attribute__((target("avx2,fma"))) static __m256 softmax_lanes(float* s, int64_t padded, __m256i lengths) {
+  const __m256 minus_inf = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
+  __m256 top = minus_inf;
+  for (int64_t j = 0; j < padded; ++j) {
+    const __m256 valid = _mm256_castsi256_ps(_mm256_cmpgt_epi32(lengths, _mm256_set1_epi32(int(j))));
+    top = _mm256_max_ps(top, _mm256_blendv_ps(minus_inf, _mm256_load_ps(s + 8 * j), valid));
+  }
+  v8f top_v;
+  std::memcpy(&top_v, &top, sizeof(top));
+  __m256 partial[8];
+  for (int m = 0; m < 8; ++m) partial[m] = _mm256_setzero_ps();
+  for (int64_t j0 = 0; j0 < padded; j0 += 8)
+    for (int m = 0; m < 8; ++m) {
+      const int64_t j = j0 + m;
+      const __m256 valid = _mm256_castsi256_ps(_mm256_cmpgt_epi32(lengths, _mm256_set1_epi32(int(j))));
+      const v8f e = vec_exp(v8_load(s + 8 * j) - top_v);
+      __m256 weight;
+      std::memcpy(&weight, &e, sizeof(e));
+      weight = _mm256_and_ps(weight, valid);
+      _mm256_store_ps(s + 8 * j, weight);
+      partial[m] = _mm256_add_ps(partial[m], weight);
+    }
+  const __m256 total = _mm256_add_ps(
+      _mm256_add_ps(_mm256_add_ps(partial[0], partial[4]), _mm256_add_ps(partial[2], partial[6])),
+      _mm256_add_ps(_mm256_add_ps(partial[1], partial[5]), _mm256_add_ps(partial[3], partial[7])));
+  return _mm256_div_ps(_mm256_set1_ps(1.0f), total);
+}
+
+// Softmax numerators of one row of scores, in place: exp(x - max) over its first `length` entries and 0 in the
+// rest of the last 8; returns 1 / their sum. The max is taken 8 lanes at a time (a max is exact in any order; a
+// scalar loop's compare chain took as long as the scores' arithmetic).
+SPECSTAND_INLINE float softmax_numerators8(float* s, int64_t length) {
+  v8f lanes = v8_splat(-std::numeric_limits<float>::infinity());
+  int64_t j = 0;
+  for (; j + 8 <= length; j += 8) {
+    const v8f x = v8_load(s + j);
+    lanes = x > lanes ? x : lanes;
+  }
+  float top = lanes[0];
+  for (int i = 1; i < 8; ++i) top = lanes[i] > top ? lanes[i] : top;
+  for (; j < length; ++j) top = s[j] > top ? s[j] : top;
+  const int64_t padded = (length + 7) / 8 * 8;
+  v8f total = v8_splat(0.0f);
+  for (int64_t j = 0; j < padded; j += 8) {
+    v8f e = vec_exp(v8_load(s + j) - v8_splat(top));
+    if (j + 8 > length) {  // lanes past the row's last key weigh exactly 0
+      for (int64_t lane = length - j; lane < 8; ++lane) e[lane] = 0.0f;
+    }
+    v8_store(s + j, e);
+    total = total + e;
+  }
+  return 1.0f / v8_sum(total);
+}
+
+// ---- avx2, few pairs (a decoding row): keys in the lanes, the same arithmetic ---------------------------------
+// With fewer pairs than lanes the layout above would leave most lanes idle. Keys take the lanes instead, from
+// blocks of 8 keys widened and transposed to [dim][8 keys]; every score, partial sum and weighted value is the
+// same operation on the same operands in the same order as above, so a pair gets the same bits either way.
+
+constexpr int64_t kFewPairs = 6;        // at most this many pairs: keys in the lanes
+constexpr int64_t kFewPairsKeys = 32;  // keys a score tile covers: 4 lanes-wide blocks
+
+// 8 consecutive keys from `first_key` widened to fp32 and transposed to out[d][key], zeros past the first `count`.
+// Transposed as 32-bit units (two bf16 dims each) and widened after: a unit shifted left by 16 is its even dim's
+// fp32, the unit with its low half cleared its odd dim's.
+__attribute__((target("avx2"))) static void widen_transposed(const uint16_t* first_key, int64_t dim, int64_t count,
+                                                            float* out) {
+  const __m256i high_half = _mm256_set1_epi32(int32_t(0xffff0000u));
+  auto dims8 = [&](int64_t i, int64_t d0) {
+    return i < count ? _mm_loadu_si128(reinterpret_cast<const __m128i*>(first_key + i * dim + d0)) : _mm_setzero_si128();
+  };
+  for (int64_t d0 = 0; d0 < dim; d0 += 8) {
+    __m256i x[4];  // keys i (low 128 bits) and i + 4 (high), dims d0 .. d0 + 8 as 4 units
+    for (int64_t i = 0; i < 4; ++i) x[i] = _mm256_set_m128i(dims8(i + 4, d0), dims8(i, d0));
+    const __m256i t0 = _mm256_unpacklo_epi32(x[0], x[1]), t1 = _mm256_unpackhi_epi32(x[0], x[1]);
+    const __m256i t2 = _mm256_unpacklo_epi32(x[2], x[3]), t3 = _mm256_unpackhi_epi32(x[2], x[3]);
+    const __m256i units[4] = {_mm256_unpacklo_epi64(t0, t2), _mm256_unpackhi_epi64(t0, t2),
+                              _mm256_unpacklo_epi64(t1, t3), _mm256_unpackhi_epi64(t1, t3)};
+    for (int u = 0; u < 4; ++u) {  // unit u: dims d0 + 2u (low 16 bits) and d0 + 2u + 1 (high) of keys 0 .. 7
+      _mm256_store_ps(out + (d0 + 2 * u) * 8, _mm256_castsi256_ps(_mm256_slli_epi32(units[u], 16)));
+      _mm256_store_ps(out + (d0 + 2 * u + 1) * 8, _mm256_castsi256_ps(_mm256_and_si256(units[u], high_half)));
+    }
+  }
+}
+
+// Scores of P pairs (queries q[p]) against the 32 transposed keys in `keys` ([block][dim][8]), times `scale`,
+// into scores[p][0 .. 32): one lane's chain over d per (pair, key), as scores_tile makes it.
+template <int P>
+__attribute__((target("avx2,fma"), always_inline)) static inline void scores_keys_tile(const float* const* q,
+                                                                                      const float* keys,
+                                                                                      int64_t dim, float scale,
+                                                                                      float* const* scores) {
+  __m256 acc[P][4];
+  for (int p = 0; p < P; ++p) {
+    const __m256 qd = _mm256_broadcast_ss(q[p]);
+    for (int k = 0; k < 4; ++k) acc[p][k] = _mm256_mul_ps(qd, _mm256_load_ps(keys + k * dim * 8));
+  }
+  for (int64_t d = 1; d < dim; ++d)
+    for (int p = 0; p < P; ++p) {
+      const __m256 qd = _mm256_broadcast_ss(q[p] + d);
+      for (int k = 0; k < 4; ++k) acc[p][k] = _mm256_fmadd_ps(qd, _mm256_load_ps(keys + (k * dim + d) * 8), acc[p][k]);
+    }
+  const __m256 scale_v = _mm256_set1_ps(scale);
+  for (int p = 0; p < P; ++p)
+    for (int k = 0; k < 4; ++k) _mm256_storeu_ps(scores[p] + 8 * k, _mm256_mul_ps(acc[p][k], scale_v));
+}
+
+// With keys in the lanes: sums[d0 .. d0 + 8 N) += weights[j] * values[j][d0 ..] for the first `count` keys of the block, in key order.
 template <int N>
 __attribute__((target("avx2,fma"), always_inline)) static inline void weigh_block8(const float* weights,
                                                                                    const float* values, int64_t dim,
@@ -464,78 +645,105 @@ __attribute__((target("avx2,fma"), always_inline)) static inline void weigh_valu
   }
 }
 
-// Softmax numerators of one row of scores, in place: exp(x - max) over its first `length` entries and 0 in the
-// rest of the last 8; returns 1 / their sum. The max is taken 8 lanes at a time (a max is exact in any order; a
-// scalar loop's compare chain took as long as the scores' arithmetic).
-SPECSTAND_INLINE float softmax_numerators8(float* s, int64_t length) {
-  v8f lanes = v8_splat(-std::numeric_limits<float>::infinity());
-  int64_t j = 0;
-  for (; j + 8 <= length; j += 8) {
-    const v8f x = v8_load(s + j);
-    lanes = x > lanes ? x : lanes;
-  }
-  float top = lanes[0];
-  for (int i = 1; i < 8; ++i) top = lanes[i] > top ? lanes[i] : top;
-  for (; j < length; ++j) top = s[j] > top ? s[j] : top;
-  const int64_t padded = (length + 7) / 8 * 8;
-  v8f total = v8_splat(0.0f);
-  for (int64_t j = 0; j < padded; j += 8) {
-    v8f e = vec_exp(v8_load(s + j) - v8_splat(top));
-    if (j + 8 > length) {  // lanes past the row's last key weigh exactly 0
-      for (int64_t lane = length - j; lane < 8; ++lane) e[lane] = 0.0f;
+
+// Rows [r0, r0 + rows) of one request against kv head `kv` with keys in the lanes (pairs < 8).
+__attribute__((target("avx2,fma"))) static void attend_few_pairs(const float* q, int64_t q_stride, float* out,
+                                                                 int64_t width, int64_t r0, int64_t rows, int64_t kv,
+                                                                 int64_t group, int64_t slot, const int64_t* positions,
+                                                                 const CacheView& cache, float scale, Avx2Scratch& s) {
+  const int64_t dim = cache.head_dim, head0 = kv * group * dim, pairs = rows * group;
+  int64_t longest = 0;
+  for (int64_t r = r0; r < r0 + rows; ++r) longest = std::max(longest, positions[r] + 1);
+  const int64_t padded = (longest + kFewPairsKeys - 1) / kFewPairsKeys * kFewPairsKeys;
+  const float* queries[8];
+  for (int64_t p = 0; p < pairs; ++p) queries[p] = q + (r0 + p / group) * q_stride + head0 + (p % group) * dim;
+  s.block.resize(kFewPairsKeys * dim);
+  s.scores.resize(pairs * padded);
+  for (int64_t b = 0; b < padded; b += kFewPairsKeys) {
+    for (int64_t k = 0; k < kFewPairsKeys; k += 8)
+      widen_transposed(cache.key(slot, kv, std::min(b + k, longest - 1)), dim,
+                       std::clamp<int64_t>(longest - b - k, 0, 8), s.block.data() + k * dim);
+    for (int64_t p0 = 0; p0 < pairs; p0 += 3) {
+      float* scores[3];
+      for (int64_t p = p0; p < std::min(pairs, p0 + 3); ++p) scores[p - p0] = s.scores.data() + p * padded + b;
+      switch (std::min<int64_t>(3, pairs - p0)) {
+        case 1: scores_keys_tile<1>(queries + p0, s.block.data(), dim, scale, scores); break;
+        case 2: scores_keys_tile<2>(queries + p0, s.block.data(), dim, scale, scores); break;
+        default: scores_keys_tile<3>(queries + p0, s.block.data(), dim, scale, scores); break;
+      }
     }
-    v8_store(s + j, e);
-    total = total + e;
   }
-  return 1.0f / v8_sum(total);
+  float inverse_sum[8];
+  for (int64_t p = 0; p < pairs; ++p)
+    inverse_sum[p] = softmax_numerators8(s.scores.data() + p * padded, positions[r0 + p / group] + 1);
+  s.sums.assign(pairs * dim, 0.0f);
+  s.block.resize(8 * dim);
+  for (int64_t b = 0; b < longest; b += 8) {
+    widen_block(cache.value(slot, kv, b), dim, std::min<int64_t>(8, longest - b), s.block.data());
+    for (int64_t p = 0; p < pairs; ++p) {
+      const int64_t count = std::min<int64_t>(8, positions[r0 + p / group] + 1 - b);
+      if (count > 0)
+        weigh_values_block8(s.scores.data() + p * padded + b, s.block.data(), dim, count, s.sums.data() + p * dim);
+    }
+  }
+  for (int64_t p = 0; p < pairs; ++p) {
+    const __m256 inv = _mm256_set1_ps(inverse_sum[p]);
+    float* o = out + (r0 + p / group) * width + head0 + (p % group) * dim;
+    for (int64_t d = 0; d < dim; d += 8)
+      _mm256_storeu_ps(o + d, _mm256_mul_ps(_mm256_load_ps(s.sums.data() + p * dim + d), inv));
+  }
 }
 
-// Rows [first, last) of one request (increasing positions) against kv head `kv`, kAvx2Rows at a time.
+// Rows [first, last) of one request (increasing positions) against kv head `kv`, kAvx2Pairs pairs a group.
 __attribute__((target("avx2,fma"))) static void attend_rows_avx2(const float* q, int64_t q_stride, float* out,
                                                                  int64_t width, int64_t first, int64_t last,
                                                                  int64_t kv, int64_t group, int64_t slot,
                                                                  const int64_t* positions, const CacheView& cache,
                                                                  float scale, Avx2Scratch& s) {
   const int64_t dim = cache.head_dim, head0 = kv * group * dim;
+  const int64_t rows_per_group = std::max<int64_t>(1, kAvx2Pairs / group);
   s.block.resize(8 * dim);
-  for (int64_t r0 = first; r0 < last; r0 += kAvx2Rows) {
-    const int64_t rows = std::min(kAvx2Rows, last - r0);
+  for (int64_t r0 = first; r0 < last; r0 += rows_per_group) {
+    const int64_t rows = std::min(rows_per_group, last - r0), pairs = rows * group, vectors = (pairs + 7) / 8;
+    if (pairs <= kFewPairs) {
+      attend_few_pairs(q, q_stride, out, width, r0, rows, kv, group, slot, positions, cache, scale, s);
+      continue;
+    }
     int64_t longest = 0;
     for (int64_t r = r0; r < r0 + rows; ++r) longest = std::max(longest, positions[r] + 1);
     const int64_t padded = (longest + 7) / 8 * 8;
-    s.scores.resize(rows * group * padded);
+    // queries transposed: pair p = (row, head) in lane p % 8 of vector p / 8; spare lanes hold zeros, length 1
+    s.queries.assign(vectors * dim * 8, 0.0f);
+    alignas(32) int32_t lengths[64 * 8];
+    std::fill(lengths, lengths + vectors * 8, 1);
+    for (int64_t p = 0; p < pairs; ++p) {
+      const int64_t r = r0 + p / group, g = p % group;
+      const float* qp = q + r * q_stride + head0 + g * dim;
+      float* column = s.queries.data() + (p / 8) * dim * 8 + p % 8;
+      for (int64_t d = 0; d < dim; ++d) column[d * 8] = qp[d];
+      lengths[p] = int32_t(positions[r] + 1);
+    }
+    s.scores.resize(vectors * padded * 8);
     for (int64_t b = 0; b < padded; b += 8) {
       widen_block(cache.key(slot, kv, b), dim, std::min<int64_t>(8, longest - b), s.block.data());
-      for (int64_t r = 0; r < rows; ++r) {
-        if (positions[r0 + r] + 1 <= b) continue;
-        for (int64_t g = 0; g < group; ++g)
-          scores_block8(q + (r0 + r) * q_stride + head0 + g * dim, s.block.data(), dim, scale,
-                        s.scores.data() + (r * group + g) * padded + b);
-      }
+      scores_block(s.queries.data(), s.block.data(), vectors, dim, padded, b, scale, s.scores.data());
     }
-    float inverse_sum[kAvx2Rows * 64];  // use_avx2: group <= 64
-    for (int64_t r = 0; r < rows; ++r)
-      for (int64_t g = 0; g < group; ++g)
-        inverse_sum[r * group + g] =
-            softmax_numerators8(s.scores.data() + (r * group + g) * padded, positions[r0 + r] + 1);
-    s.sums.assign(rows * group * dim, 0.0f);
+    alignas(32) float inverse_sum[64 * 8];
+    for (int64_t v = 0; v < vectors; ++v)
+      _mm256_store_ps(inverse_sum + 8 * v,
+                      softmax_lanes(s.scores.data() + v * padded * 8, padded,
+                                    _mm256_load_si256(reinterpret_cast<const __m256i*>(lengths + 8 * v))));
+    s.sums.assign(vectors * dim * 8, 0.0f);
     for (int64_t b = 0; b < padded; b += 8) {
       widen_block(cache.value(slot, kv, b), dim, std::min<int64_t>(8, longest - b), s.block.data());
-      for (int64_t r = 0; r < rows; ++r) {
-        const int64_t count = std::min<int64_t>(8, positions[r0 + r] + 1 - b);
-        if (count <= 0) continue;
-        for (int64_t g = 0; g < group; ++g)
-          weigh_values_block8(s.scores.data() + (r * group + g) * padded + b, s.block.data(), dim, count,
-                              s.sums.data() + (r * group + g) * dim);
-      }
+      weigh_block(s.scores.data(), s.block.data(), vectors, dim, padded, b, s.sums.data());
     }
-    for (int64_t r = 0; r < rows; ++r)
-      for (int64_t g = 0; g < group; ++g) {
-        const __m256 inv = _mm256_set1_ps(inverse_sum[r * group + g]);
-        const float* sum = s.sums.data() + (r * group + g) * dim;
-        float* o = out + (r0 + r) * width + head0 + g * dim;
-        for (int64_t d = 0; d < dim; d += 8) _mm256_storeu_ps(o + d, _mm256_mul_ps(_mm256_load_ps(sum + d), inv));
-      }
+    for (int64_t p = 0; p < pairs; ++p) {
+      const int64_t r = r0 + p / group, g = p % group;
+      const float* column = s.sums.data() + (p / 8) * dim * 8 + p % 8;
+      float* o = out + r * width + head0 + g * dim;
+      for (int64_t d = 0; d < dim; ++d) o[d] = column[d * 8] * inverse_sum[p];
+    }
   }
 }
 

@@ -394,6 +394,7 @@ static void attend_task_amx(const float* q, int64_t q_stride, float* out, int64_
 // for every pair of the group (the transposed queries stay in L1).
 
 constexpr int64_t kAvx2Pairs = 48;  // (row, head) pairs a group holds: 6 registers of 8 lanes
+constexpr int64_t kMaxPairs = 64;   // a group's most pairs: kAvx2Pairs, or one row's heads (use_avx2: group <= 64)
 
 struct Avx2Scratch {
   AlignedVector<float> block;    // 8 keys (or values) widened to fp32: [8][head_dim]
@@ -612,7 +613,8 @@ __attribute__((target("avx2,fma"), always_inline)) static inline void scores_key
     for (int k = 0; k < 4; ++k) _mm256_storeu_ps(scores[p] + 8 * k, _mm256_mul_ps(acc[p][k], scale_v));
 }
 
-// With keys in the lanes: sums[d0 .. d0 + 8 N) += weights[j] * values[j][d0 ..] for the first `count` keys of the block, in key order.
+// With keys in the lanes: sums[d0 .. d0 + 8 N) += weights[j] * values[j][d0 ..] for the first `count` keys of the
+// block, in key order.
 template <int N>
 __attribute__((target("avx2,fma"), always_inline)) static inline void weigh_block8(const float* weights,
                                                                                    const float* values, int64_t dim,
@@ -645,8 +647,7 @@ __attribute__((target("avx2,fma"), always_inline)) static inline void weigh_valu
   }
 }
 
-
-// Rows [r0, r0 + rows) of one request against kv head `kv` with keys in the lanes (pairs < 8).
+// Rows [r0, r0 + rows) of one request against kv head `kv` with keys in the lanes (at most kFewPairs pairs).
 __attribute__((target("avx2,fma"))) static void attend_few_pairs(const float* q, int64_t q_stride, float* out,
                                                                  int64_t width, int64_t r0, int64_t rows, int64_t kv,
                                                                  int64_t group, int64_t slot, const int64_t* positions,
@@ -655,7 +656,7 @@ __attribute__((target("avx2,fma"))) static void attend_few_pairs(const float* q,
   int64_t longest = 0;
   for (int64_t r = r0; r < r0 + rows; ++r) longest = std::max(longest, positions[r] + 1);
   const int64_t padded = (longest + kFewPairsKeys - 1) / kFewPairsKeys * kFewPairsKeys;
-  const float* queries[8];
+  const float* queries[kFewPairs];
   for (int64_t p = 0; p < pairs; ++p) queries[p] = q + (r0 + p / group) * q_stride + head0 + (p % group) * dim;
   s.block.resize(kFewPairsKeys * dim);
   s.scores.resize(pairs * padded);
@@ -673,7 +674,7 @@ __attribute__((target("avx2,fma"))) static void attend_few_pairs(const float* q,
       }
     }
   }
-  float inverse_sum[8];
+  float inverse_sum[kFewPairs];
   for (int64_t p = 0; p < pairs; ++p)
     inverse_sum[p] = softmax_numerators8(s.scores.data() + p * padded, positions[r0 + p / group] + 1);
   s.sums.assign(pairs * dim, 0.0f);
@@ -714,7 +715,7 @@ __attribute__((target("avx2,fma"))) static void attend_rows_avx2(const float* q,
     const int64_t padded = (longest + 7) / 8 * 8;
     // queries transposed: pair p = (row, head) in lane p % 8 of vector p / 8; spare lanes hold zeros, length 1
     s.queries.assign(vectors * dim * 8, 0.0f);
-    alignas(32) int32_t lengths[64 * 8];
+    alignas(32) int32_t lengths[kMaxPairs];
     std::fill(lengths, lengths + vectors * 8, 1);
     for (int64_t p = 0; p < pairs; ++p) {
       const int64_t r = r0 + p / group, g = p % group;
@@ -728,7 +729,7 @@ __attribute__((target("avx2,fma"))) static void attend_rows_avx2(const float* q,
       widen_block(cache.key(slot, kv, b), dim, std::min<int64_t>(8, longest - b), s.block.data());
       scores_block(s.queries.data(), s.block.data(), vectors, dim, padded, b, scale, s.scores.data());
     }
-    alignas(32) float inverse_sum[64 * 8];
+    alignas(32) float inverse_sum[kMaxPairs];
     for (int64_t v = 0; v < vectors; ++v)
       _mm256_store_ps(inverse_sum + 8 * v,
                       softmax_lanes(s.scores.data() + v * padded * 8, padded,

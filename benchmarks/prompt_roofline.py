@@ -3,7 +3,7 @@
 multiply-accumulates it computed per second and its share of the path's register-loop peak; beside them torch's own
 bf16 GEMM (oneDNN) on the same linear shapes at one chunk's rows, measured in the same run.
 
-    python benchmarks/prompt_roofline.py --model qwen2.5-coder-0.5b --lengths 512,2048 --repeats 5 --out FILE
+    python benchmarks/prompt_roofline.py --model qwen2.5-coder-0.5b --dtype q8_0 --lengths 512,2048 --out FILE
 
 For A/B runs of two trees, alternate processes with PYTHONPATH at each (the kernels are built per source version).
 """
@@ -81,6 +81,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default="qwen2.5-coder-0.5b")
     parser.add_argument("--lengths", default="512,2048", help="prompt lengths in tokens, comma-separated")
+    parser.add_argument("--dtype", default="bf16", help="bf16 or q8_0 (the peak stays the path's FMA loop)")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--out", type=Path, help="also write the report here")
@@ -88,13 +89,13 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     say = Printed()
     lengths = [int(n) for n in args.lengths.split(",")]
-    loaded = load_model(args.model, "bf16", max_seq_len=max(lengths) + 64, log=lambda _: None)
+    loaded = load_model(args.model, args.dtype, max_seq_len=max(lengths) + 64, log=lambda _: None)
     compiled = loaded.decoder.compiled
     if compiled is None or not compiled.fast_for_prompts:
         raise SystemExit("this path computes prompts with torch, not the compiled forward: nothing to measure")
     shape = loaded.decoder.shape
     peak = kernels.peak_macs_per_second(compiled.path) * args.threads
-    say(f"# prompt roofline: {args.model} bf16, {args.threads} threads, {PROMPT_CHUNK}-row chunks, "
+    say(f"# prompt roofline: {args.model} {args.dtype}, {args.threads} threads, {PROMPT_CHUNK}-row chunks, "
         f"medians of {args.repeats}")
     say(f"cpu: {kernels.cpu_model()}; flags: {' '.join(kernels.cpu_flags())}; kernel path: {compiled.path}")
     say(f"peak {peak / 1e9:.0f} GMAC/s ({compiled.path} register loop x {args.threads} cores); read bandwidth "

@@ -395,6 +395,7 @@ static void attend_task_amx(const float* q, int64_t q_stride, float* out, int64_
 
 constexpr int64_t kAvx2Pairs = 48;  // (row, head) pairs a group holds: 6 registers of 8 lanes
 constexpr int64_t kMaxPairs = 64;   // a group's most pairs: kAvx2Pairs, or one row's heads (use_avx2: group <= 64)
+constexpr int64_t kValueBlock = 32;  // values widened at a time: 8 KB at head_dim 64, beside a tile's weights in L1
 
 struct Avx2Scratch {
   AlignedVector<float> block;    // 8 keys (or values) widened to fp32: [8][head_dim]
@@ -442,17 +443,18 @@ __attribute__((target("avx2,fma"), always_inline)) static inline void scores_til
       _mm256_store_ps(scores + (v * padded + b + k0 + k) * 8, _mm256_mul_ps(acc[v][k], scale_v));
 }
 
-// sums[vector][d0 .. d0 + C][lane] += weights[vector][b + j][lane] * values[j][d] over the block's 8 keys, in key
-// order, for V pair vectors.
+// sums[vector][d0 .. d0 + C][lane] += weights[vector][b + j][lane] * values[j][d] over the block's `keys` keys, in
+// key order, for V pair vectors.
 template <int V, int C>
 __attribute__((target("avx2,fma"), always_inline)) static inline void weigh_tile(const float* weights,
                                                                                 const float* values, int64_t dim,
                                                                                 int64_t padded, int64_t b,
-                                                                                int64_t d0, float* sums) {
+                                                                                int64_t keys, int64_t d0,
+                                                                                float* sums) {
   __m256 acc[V][C];
   for (int v = 0; v < V; ++v)
     for (int c = 0; c < C; ++c) acc[v][c] = _mm256_load_ps(sums + (v * dim + d0 + c) * 8);
-  for (int64_t j = 0; j < 8; ++j) {
+  for (int64_t j = 0; j < keys; ++j) {
     __m256 w[V];
     for (int v = 0; v < V; ++v) w[v] = _mm256_load_ps(weights + (v * padded + b + j) * 8);
     for (int c = 0; c < C; ++c) {
@@ -485,18 +487,19 @@ __attribute__((target("avx2,fma"))) static void scores_block(const float* querie
   }
 }
 
+// Every pair vector's weighted values over the widened block of `keys` keys at key b, up to 3 vectors a tile.
 __attribute__((target("avx2,fma"))) static void weigh_block(const float* weights, const float* values,
                                                            int64_t vectors, int64_t dim, int64_t padded, int64_t b,
-                                                           float* sums) {
+                                                           int64_t keys, float* sums) {
   for (int64_t v = 0; v < vectors; v += 3) {
     const float* w = weights + v * padded * 8;
     float* out = sums + v * dim * 8;
     const int64_t left = std::min<int64_t>(3, vectors - v);
     for (int64_t d0 = 0; d0 < dim; d0 += left == 1 ? 8 : 4) {
       switch (left) {
-        case 1: weigh_tile<1, 8>(w, values, dim, padded, b, d0, out); break;
-        case 2: weigh_tile<2, 4>(w, values, dim, padded, b, d0, out); break;
-        default: weigh_tile<3, 4>(w, values, dim, padded, b, d0, out); break;
+        case 1: weigh_tile<1, 8>(w, values, dim, padded, b, keys, d0, out); break;
+        case 2: weigh_tile<2, 4>(w, values, dim, padded, b, keys, d0, out); break;
+        default: weigh_tile<3, 4>(w, values, dim, padded, b, keys, d0, out); break;
       }
     }
   }
@@ -703,7 +706,6 @@ __attribute__((target("avx2,fma"))) static void attend_rows_avx2(const float* q,
                                                                  float scale, Avx2Scratch& s) {
   const int64_t dim = cache.head_dim, head0 = kv * group * dim;
   const int64_t rows_per_group = std::max<int64_t>(1, kAvx2Pairs / group);
-  s.block.resize(8 * dim);
   for (int64_t r0 = first; r0 < last; r0 += rows_per_group) {
     const int64_t rows = std::min(rows_per_group, last - r0), pairs = rows * group, vectors = (pairs + 7) / 8;
     if (pairs <= kFewPairs) {
@@ -713,6 +715,7 @@ __attribute__((target("avx2,fma"))) static void attend_rows_avx2(const float* q,
     int64_t longest = 0;
     for (int64_t r = r0; r < r0 + rows; ++r) longest = std::max(longest, positions[r] + 1);
     const int64_t padded = (longest + 7) / 8 * 8;
+    s.block.resize(kValueBlock * dim);  // attend_few_pairs may have left it smaller
     // queries transposed: pair p = (row, head) in lane p % 8 of vector p / 8; spare lanes hold zeros, length 1
     s.queries.assign(vectors * dim * 8, 0.0f);
     alignas(32) int32_t lengths[kMaxPairs];
@@ -735,9 +738,12 @@ __attribute__((target("avx2,fma"))) static void attend_rows_avx2(const float* q,
                       softmax_lanes(s.scores.data() + v * padded * 8, padded,
                                     _mm256_load_si256(reinterpret_cast<const __m256i*>(lengths + 8 * v))));
     s.sums.assign(vectors * dim * 8, 0.0f);
-    for (int64_t b = 0; b < padded; b += 8) {
-      widen_block(cache.value(slot, kv, b), dim, std::min<int64_t>(8, longest - b), s.block.data());
-      weigh_block(s.scores.data(), s.block.data(), vectors, dim, padded, b, s.sums.data());
+    for (int64_t b = 0; b < padded; b += kValueBlock) {  // a tile's sums stay in registers over kValueBlock keys
+      const int64_t keys = std::min(kValueBlock, padded - b);
+      for (int64_t k = 0; k < keys; k += 8)
+        widen_block(cache.value(slot, kv, std::min(b + k, longest - 1)), dim,
+                    std::clamp<int64_t>(longest - b - k, 0, 8), s.block.data() + k * dim);
+      weigh_block(s.scores.data(), s.block.data(), vectors, dim, padded, b, keys, s.sums.data());
     }
     for (int64_t p = 0; p < pairs; ++p) {
       const int64_t r = r0 + p / group, g = p % group;

@@ -45,6 +45,9 @@ class SuffixTree:
         self.children: list[dict[int, int]] = [{}]
         self._free: list[int] = []  # ids of removed nodes, reused before the lists grow
         self._open: list[int] = []  # deepest nodes of the windows still growing (appending mode)
+        # appends since start_undo_log: (parent, token, child, whether the child was made), and the windows then
+        self._undo: list[tuple[int, int, int, bool]] | None = None
+        self._open_at_log: list[int] = []
 
     def count(self, path: list[int]) -> int:
         """How often `path` occurred (0: never)."""
@@ -53,15 +56,36 @@ class SuffixTree:
 
     def append(self, token: int) -> None:
         """Extend the one sequence this tree indexes by a token (every window ending here grows)."""
-        counts, children, grown = self.counts, self.children, []
+        counts, children, grown, log = self.counts, self.children, [], self._undo
         for node in [*self._open, ROOT]:
             child = children[node].get(token)
-            if child is None:
+            made = child is None
+            if made:
                 child = children[node][token] = self._new_node()
             counts[child] += 1
             grown.append(child)
+            if log is not None:
+                log.append((node, token, child, made))
         # a window that reached max_depth stops growing; windows are ordered oldest first
         self._open = grown[1:] if len(grown) >= self.max_depth else grown
+
+    def start_undo_log(self) -> None:
+        """Record the appends from here on, so that `undo` can take them back (a request's answer)."""
+        self._undo, self._open_at_log = [], self._open.copy()
+
+    def undo(self) -> None:
+        """Take back every append since `start_undo_log`: the counts, children and growing windows of then."""
+        counts, children = self.counts, self.children
+        for node, token, child, made in reversed(self._undo or []):
+            counts[child] -= 1
+            if made:  # newest first, so its own children are gone already
+                del children[node][token]
+                if child == len(counts) - 1:
+                    counts.pop()
+                    children.pop()
+                else:
+                    self._free.append(child)
+        self._open, self._undo = self._open_at_log, None
 
     def add(self, tokens: list[int], delta: int = 1) -> None:
         """Add (delta=1) or remove (delta=-1) every window of an independent sequence."""
@@ -159,6 +183,10 @@ class SuffixConfig:
     min_token_prob: float = 0.1
     max_spec_factor: float = 1.0
     max_cached_responses: int = 10_000
+    # prompts' trees kept, once their requests end, to start later prompts that extend them (an agent's next
+    # call extends its last prompt): indexing a 2000-token prompt anew took 15-20 ms of the engine thread a
+    # call; about 10 MB each
+    max_cached_prompts: int = 8
 
 
 class SuffixDrafter(Drafter):
@@ -168,13 +196,30 @@ class SuffixDrafter(Drafter):
         self.config = config or SuffixConfig()
         self.global_tree = SuffixTree(self.config.max_depth)
         self._responses: deque[list[int]] = deque()
-        self._local: dict[int, SuffixTree] = {}
+        self._local: dict[int, tuple[list[int], SuffixTree]] = {}  # request -> its prompt, its tree
+        self._idle: deque[tuple[list[int], SuffixTree]] = deque()  # ended requests' prompt trees, newest last
 
     def begin(self, seq: SequenceView) -> None:
-        tree = SuffixTree(self.config.max_depth)
-        for token in seq.token_ids:
+        prompt = list(seq.token_ids)
+        tree, start = self._idle_head(prompt)
+        for token in prompt[start:]:
             tree.append(token)
-        self._local[seq.request_id] = tree
+        if self.config.max_cached_prompts > 0:
+            tree.start_undo_log()  # the answer's windows are taken back when the request ends
+        self._local[seq.request_id] = (prompt, tree)
+
+    def _idle_head(self, prompt: list[int]) -> tuple[SuffixTree, int]:
+        """The idle tree of the longest cached prompt that `prompt` starts with (taken out of the cache) and that
+        prompt's length, or a new tree and 0: appending the rest gives the nodes of appending `prompt` whole."""
+        best, best_length = None, -1
+        for i, (cached, _) in enumerate(self._idle):
+            if best_length < len(cached) <= len(prompt) and prompt[: len(cached)] == cached:
+                best, best_length = i, len(cached)
+        if best is None:
+            return SuffixTree(self.config.max_depth), 0
+        _, tree = self._idle[best]
+        del self._idle[best]
+        return tree, best_length
 
     def propose(self, seq: SequenceView, max_tokens: int, keep: Keep | None = None) -> Draft:
         """With `keep` (a composing drafter's rule, e.g. a schema's), drafts grow only by tokens it accepts."""
@@ -182,23 +227,30 @@ class SuffixDrafter(Drafter):
             return Draft([])
         context = seq.token_ids[-self.config.max_depth :]
         cfg = self.config
-        local = self._local[seq.request_id].best_draft(context, max_tokens, cfg.min_token_prob, cfg.max_spec_factor,
+        local = self._local[seq.request_id][1].best_draft(context, max_tokens, cfg.min_token_prob, cfg.max_spec_factor,
                                                        keep)
         shared = self.global_tree.best_draft(context, max_tokens, cfg.min_token_prob, cfg.max_spec_factor, keep)
         best = max(local, shared, key=lambda candidate: candidate.score)
         return Draft(best.tokens, confidence=best.probs)
 
     def extend(self, seq: SequenceView, new_tokens: list[int], hidden: HiddenRows | None = None) -> None:
-        tree = self._local[seq.request_id]
+        tree = self._local[seq.request_id][1]
         for token in new_tokens:
             tree.append(token)
 
     def forget(self) -> None:
         self.global_tree = SuffixTree(self.config.max_depth)
         self._responses.clear()
+        self._idle.clear()
 
     def end(self, seq: SequenceView) -> None:
-        self._local.pop(seq.request_id, None)
+        local = self._local.pop(seq.request_id, None)
+        if local is not None and self.config.max_cached_prompts > 0:
+            prompt, tree = local
+            tree.undo()
+            self._idle.append((prompt, tree))
+            if len(self._idle) > self.config.max_cached_prompts:
+                self._idle.popleft()
         response = seq.output_ids
         if not response or self.config.max_cached_responses <= 0:
             return

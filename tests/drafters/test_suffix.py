@@ -93,3 +93,68 @@ def test_local_tree_follows_extensions():
         seq.token_ids.append(token)
         drafter.extend(seq, [token])
     assert drafter.propose(seq, 2).tokens[:2] == [3, 4]
+
+
+def _nodes(tree, node=0):
+    return {t: (tree.counts[c], _nodes(tree, c)) for t, c in tree.children[node].items()}
+
+
+def test_undo_takes_back_an_answer_exactly():
+    tree = SuffixTree(max_depth=4)
+    for token in [1, 2, 3, 1, 2]:
+        tree.append(token)
+    before = (_nodes(tree), list(tree._open), len(tree.counts))
+    tree.start_undo_log()
+    for token in [3, 9, 1, 2, 9, 9]:  # new windows, new nodes and counts on old ones
+        tree.append(token)
+    assert _nodes(tree) != before[0]
+    tree.undo()
+    assert (_nodes(tree), tree._open, len(tree.counts)) == before
+
+
+def _drafts_over(prompts: list[list[int]], cached: int) -> list[list[int]]:
+    """Each prompt is a request: two drafts, one accepted token between them; requests 2 and 3 overlap."""
+    drafter, made = SuffixDrafter(SuffixConfig(max_depth=6, max_cached_prompts=cached)), []
+    views = [SequenceView(i, list(prompt), len(prompt)) for i, prompt in enumerate(prompts)]
+    for i, seq in enumerate(views):
+        drafter.begin(seq)
+        made.append(drafter.propose(seq, 4).tokens)
+        seq.token_ids.append(2)
+        drafter.extend(seq, [2])
+        made.append(drafter.propose(seq, 4).tokens)
+        if i != 2:  # request 2 is still running while request 3 (its own prompt again) begins
+            drafter.end(seq)
+    drafter.end(views[2])
+    return made
+
+
+def test_drafts_do_not_depend_on_cached_prompt_trees():
+    prompts = [[1, 2, 3, 4, 5, 1, 2, 3]]
+    for extra in ([6, 1, 2, 7], [1, 2, 3, 4], [8, 8, 1, 2]):
+        prompts.append(prompts[-1] + extra)  # an agent's calls: each prompt extends the one before
+    prompts[3:3] = [list(prompts[2]), [5, 4, 3, 2, 1]]  # the same prompt twice at once, then an unrelated one
+    assert _drafts_over(prompts, 0) == _drafts_over(prompts, 8)
+    assert any(_drafts_over(prompts, 8))
+
+
+def test_cached_prompt_trees_are_bounded_reused_and_forgotten():
+    drafter = SuffixDrafter(SuffixConfig(max_cached_prompts=2))
+    for i in range(4):
+        seq = SequenceView(i, [i, i + 1, i + 2], 3)
+        drafter.begin(seq)
+        drafter.end(seq)
+    assert [prompt for prompt, _ in drafter._idle] == [[2, 3, 4], [3, 4, 5]]
+    kept = drafter._idle[0][1]
+    longer = SequenceView(9, [2, 3, 4, 7], 4)
+    drafter.begin(longer)  # starts from the cached tree of [2, 3, 4], taken out of the cache while in use
+    assert drafter._local[9][1] is kept and [prompt for prompt, _ in drafter._idle] == [[3, 4, 5]]
+    longer.token_ids += [8, 2]
+    drafter.extend(longer, [8, 2])  # its answer
+    drafter.end(longer)
+    assert [prompt for prompt, _ in drafter._idle] == [[3, 4, 5], [2, 3, 4, 7]]
+    fresh = SuffixTree(SuffixConfig().max_depth)
+    for token in [2, 3, 4, 7]:
+        fresh.append(token)
+    assert _nodes(kept) == _nodes(fresh) and kept._open == fresh._open  # the answer's windows are gone
+    drafter.forget()
+    assert not drafter._idle

@@ -1,0 +1,74 @@
+"""What suffix decoding's bookkeeping costs the engine thread per call: one user's calls of a workload in order,
+each begun (its prompt indexed), extended by an answer one token at a time and ended, with the prompt trees of
+ended calls kept (the default) and not kept (`max_cached_prompts=0`), side by side in one run. CPU time, the
+least of the repeats; no target model runs, only its tokenizer and chat template (the prompts the engine sees).
+
+    python benchmarks/drafter_bookkeeping.py --workload out/demo/workload.jsonl --model smollm2-135m
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from pathlib import Path
+
+from printed import Printed
+
+from specstand import kernels
+from specstand.drafters import SequenceView, SuffixConfig
+from specstand.drafters.suffix import SuffixDrafter
+from specstand.models.chat import render_chat
+from specstand.models.loading import resolve_model_path
+from specstand.workloads import load_workload
+
+
+def bookkeeping_seconds(prompts: list[list[int]], answer_tokens: int, config: SuffixConfig, repeats: int) -> float:
+    """Least CPU seconds of begin + extend (one token at a time) + end over every prompt, in order."""
+    answer = list(range(100, 100 + answer_tokens))
+    best = float("inf")
+    for _ in range(repeats):
+        drafter = SuffixDrafter(config)
+        started = time.process_time()
+        for i, prompt in enumerate(prompts):
+            seq = SequenceView(i, list(prompt), len(prompt))
+            drafter.begin(seq)
+            for token in answer:
+                seq.token_ids.append(token)
+                drafter.extend(seq, [token])
+            drafter.end(seq)
+        best = min(best, time.process_time() - started)
+    return best
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--workload", type=Path, required=True)
+    parser.add_argument("--model", default="smollm2-135m")
+    parser.add_argument("--answer-tokens", type=int, default=48)
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--out", type=Path, help="also write the report here")
+    args = parser.parse_args()
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(resolve_model_path(args.model, log=lambda _: None))
+    prompts = []
+    for call in (call for turn in load_workload(args.workload) for call in turn.calls):
+        if call.messages is not None:
+            text = render_chat(tokenizer, call.messages, call.tools)
+            prompts.append(tokenizer(text, add_special_tokens=False)["input_ids"])
+        else:
+            prompts.append(tokenizer(call.prompt or "", add_special_tokens=True)["input_ids"])
+    say = Printed()
+    say(f"# suffix decoding's bookkeeping, one user's {len(prompts)} calls of {args.workload} in order "
+        f"({min(map(len, prompts))}-{max(map(len, prompts))}-token prompts, {args.answer_tokens}-token answers)")
+    say(f"cpu: {kernels.cpu_model()}; flags: {' '.join(kernels.cpu_flags())}")
+    kept = bookkeeping_seconds(prompts, args.answer_tokens, SuffixConfig(), args.repeats)
+    anew = bookkeeping_seconds(prompts, args.answer_tokens, SuffixConfig(max_cached_prompts=0), args.repeats)
+    say(f"every prompt indexed anew: {1e3 * anew:.1f} ms ({1e3 * anew / len(prompts):.1f} a call)")
+    say(f"ended calls' prompt trees kept: {1e3 * kept:.1f} ms ({1e3 * kept / len(prompts):.1f} a call), "
+        f"x{anew / kept:.2f} less")
+    say.write(args.out)
+
+
+if __name__ == "__main__":
+    main()

@@ -398,7 +398,7 @@ constexpr int64_t kMaxPairs = 64;   // a group's most pairs: kAvx2Pairs, or one 
 constexpr int64_t kValueBlock = 32;  // values widened at a time: 8 KB at head_dim 64, beside a tile's weights in L1
 
 struct Avx2Scratch {
-  AlignedVector<float> block;    // 8 keys (or values) widened to fp32: [8][head_dim]
+  AlignedVector<float> block;    // up to 32 keys (or values) widened to fp32, [key][head_dim] or transposed
   AlignedVector<float> queries;  // [vector][head_dim][8 lanes]
   AlignedVector<float> scores;   // [vector][padded keys][8 lanes]: scaled scores, then softmax numerators
   AlignedVector<float> sums;     // [vector][head_dim][8 lanes]: weighted values, before 1 / sum
@@ -650,18 +650,17 @@ __attribute__((target("avx2,fma"), always_inline)) static inline void weigh_valu
   }
 }
 
-// Rows [r0, r0 + rows) of one request against kv head `kv` with keys in the lanes (at most kFewPairs pairs).
+// Rows [r0, r0 + rows) of one request (the longest `longest` positions) against kv head `kv` with keys in the
+// lanes (at most kFewPairs pairs).
 __attribute__((target("avx2,fma"))) static void attend_few_pairs(const float* q, int64_t q_stride, float* out,
-                                                                 int64_t width, int64_t r0, int64_t rows, int64_t kv,
-                                                                 int64_t group, int64_t slot, const int64_t* positions,
+                                                                 int64_t width, int64_t r0, int64_t rows,
+                                                                 int64_t longest, int64_t kv, int64_t group,
+                                                                 int64_t slot, const int64_t* positions,
                                                                  const CacheView& cache, float scale, Avx2Scratch& s) {
   const int64_t dim = cache.head_dim, head0 = kv * group * dim, pairs = rows * group;
-  int64_t longest = 0;
-  for (int64_t r = r0; r < r0 + rows; ++r) longest = std::max(longest, positions[r] + 1);
   const int64_t padded = (longest + kFewPairsKeys - 1) / kFewPairsKeys * kFewPairsKeys;
   const float* queries[kFewPairs];
   for (int64_t p = 0; p < pairs; ++p) queries[p] = q + (r0 + p / group) * q_stride + head0 + (p % group) * dim;
-  s.block.resize(kFewPairsKeys * dim);
   s.scores.resize(pairs * padded);
   for (int64_t b = 0; b < padded; b += kFewPairsKeys) {
     for (int64_t k = 0; k < kFewPairsKeys; k += 8)
@@ -681,7 +680,6 @@ __attribute__((target("avx2,fma"))) static void attend_few_pairs(const float* q,
   for (int64_t p = 0; p < pairs; ++p)
     inverse_sum[p] = softmax_numerators8(s.scores.data() + p * padded, positions[r0 + p / group] + 1);
   s.sums.assign(pairs * dim, 0.0f);
-  s.block.resize(8 * dim);
   for (int64_t b = 0; b < longest; b += 8) {
     widen_block(cache.value(slot, kv, b), dim, std::min<int64_t>(8, longest - b), s.block.data());
     for (int64_t p = 0; p < pairs; ++p) {
@@ -706,16 +704,16 @@ __attribute__((target("avx2,fma"))) static void attend_rows_avx2(const float* q,
                                                                  float scale, Avx2Scratch& s) {
   const int64_t dim = cache.head_dim, head0 = kv * group * dim;
   const int64_t rows_per_group = std::max<int64_t>(1, kAvx2Pairs / group);
+  s.block.resize(std::max(kFewPairsKeys, kValueBlock) * dim);  // the widest block either layout widens
   for (int64_t r0 = first; r0 < last; r0 += rows_per_group) {
     const int64_t rows = std::min(rows_per_group, last - r0), pairs = rows * group, vectors = (pairs + 7) / 8;
-    if (pairs <= kFewPairs) {
-      attend_few_pairs(q, q_stride, out, width, r0, rows, kv, group, slot, positions, cache, scale, s);
-      continue;
-    }
     int64_t longest = 0;
     for (int64_t r = r0; r < r0 + rows; ++r) longest = std::max(longest, positions[r] + 1);
+    if (pairs <= kFewPairs) {
+      attend_few_pairs(q, q_stride, out, width, r0, rows, longest, kv, group, slot, positions, cache, scale, s);
+      continue;
+    }
     const int64_t padded = (longest + 7) / 8 * 8;
-    s.block.resize(kValueBlock * dim);  // attend_few_pairs may have left it smaller
     // queries transposed: pair p = (row, head) in lane p % 8 of vector p / 8; spare lanes hold zeros, length 1
     s.queries.assign(vectors * dim * 8, 0.0f);
     alignas(32) int32_t lengths[kMaxPairs];

@@ -17,8 +17,7 @@ from printed import Printed
 from specstand import kernels
 from specstand.drafters import SequenceView, SuffixConfig
 from specstand.drafters.suffix import SuffixDrafter
-from specstand.models.chat import render_chat
-from specstand.models.loading import resolve_model_path
+from specstand.models.loading import encode_messages, encode_prompt, resolve_model_path
 from specstand.workloads import load_workload
 
 
@@ -51,13 +50,9 @@ def main() -> None:
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(resolve_model_path(args.model, log=lambda _: None))
-    prompts = []
-    for call in (call for turn in load_workload(args.workload) for call in turn.calls):
-        if call.messages is not None:
-            text = render_chat(tokenizer, call.messages, call.tools)
-            prompts.append(tokenizer(text, add_special_tokens=False)["input_ids"])
-        else:
-            prompts.append(tokenizer(call.prompt or "", add_special_tokens=True)["input_ids"])
+    prompts = [encode_messages(tokenizer, call.messages, call.tools) if call.messages is not None
+               else encode_prompt(tokenizer, call.prompt or "")
+               for turn in load_workload(args.workload) for call in turn.calls]
     say = Printed()
     say(f"# suffix decoding's bookkeeping, one user's {len(prompts)} calls of {args.workload} in order "
         f"({min(map(len, prompts))}-{max(map(len, prompts))}-token prompts, {args.answer_tokens}-token answers)")

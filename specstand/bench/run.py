@@ -23,8 +23,7 @@ from specstand.bench.replay import assign_turns, replay
 from specstand.bench.report import WARM_WORDS, RunResult, write_report
 from specstand.drafters.registry import is_block_method
 from specstand.drafters.trained import read_spec, shipped_drafter
-from specstand.models.chat import render_chat
-from specstand.models.loading import resolve_model_path
+from specstand.models.loading import encode_messages, encode_prompt, resolve_model_path
 from specstand.workloads import Call, Turn
 
 SERVER_START_TIMEOUT_S = 600
@@ -157,10 +156,9 @@ def workload_context(turns: list[Turn], model: str, k: int) -> int:
     longest = 0
     for call in (c for turn in turns for c in turn.calls):
         if call.messages is not None:
-            prompt = render_chat(tokenizer, call.messages, call.tools)
-            tokens = len(tokenizer(prompt, add_special_tokens=False)["input_ids"])
+            tokens = len(encode_messages(tokenizer, call.messages, call.tools))
         else:
-            tokens = len(tokenizer(call.prompt or "", add_special_tokens=True)["input_ids"])
+            tokens = len(encode_prompt(tokenizer, call.prompt or ""))
         longest = max(longest, tokens + call.max_tokens + k + 1)
     limit = getattr(AutoConfig.from_pretrained(path), "max_position_embeddings", None) or longest
     return min(-(-longest // 256) * 256, limit)

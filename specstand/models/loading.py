@@ -53,18 +53,27 @@ class LoadedModel:
     max_positions: int
 
     def encode_prompt(self, prompt: str) -> list[int]:
-        return self.tokenizer(prompt, add_special_tokens=True)["input_ids"]
+        return encode_prompt(self.tokenizer, prompt)
 
     def encode_messages(self, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
         """Messages (OpenAI form, tool calls included) through the model's chat template; `tools` are
         offered to the model as the template lays them out, or as text where it cannot (chat.py)."""
         if not getattr(self.tokenizer, "chat_template", None):
             raise ModelError(f"model {self.name} has no chat template; pass a plain prompt")
-        text = render_chat(self.tokenizer, messages, tools)
-        return self.tokenizer(text, add_special_tokens=False)["input_ids"]
+        return encode_messages(self.tokenizer, messages, tools)
 
     def decode(self, token_ids: list[int]) -> str:
         return self.tokenizer.decode(token_ids, skip_special_tokens=True)
+
+
+def encode_prompt(tokenizer, prompt: str) -> list[int]:
+    """A plain prompt's token ids, as the engine gets them (the tokenizer's special tokens added)."""
+    return tokenizer(prompt, add_special_tokens=True)["input_ids"]
+
+
+def encode_messages(tokenizer, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
+    """Messages' token ids through the chat template, as the engine gets them (the template adds the specials)."""
+    return tokenizer(render_chat(tokenizer, messages, tools), add_special_tokens=False)["input_ids"]
 
 
 def same_model(a: str, b: str) -> bool:

@@ -177,14 +177,13 @@ def cmd_serve(args: argparse.Namespace) -> None:
     parser = _tool_call_parser(args)
     # the server's failures go to stderr with their tracebacks (uvicorn keeps its own handlers)
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    model = load_model(args.model, args.dtype, args.max_seq_len, log=log)
     limits = ServerLimits(args.max_body_bytes, args.max_prompt_chars, args.request_timeout)
     store = None if args.prefix_cache_gb is None else int(args.prefix_cache_gb * 2**30)
     config = ServerConfig(args.method, args.k, args.max_batch, args.max_queue, args.served_model_name,
                           args.model, args.drafter, args.ngram, limits, args.adaptive,
                           tool_call_parser=parser, api_key=args.api_key,
                           prefix_store_bytes=store)
-    app, worker = build_server(model, config)
+    app, worker = build_server(lambda: load_model(args.model, args.dtype, args.max_seq_len, log=log), config)
     adaptive = ", adaptive verification" if args.adaptive else ", fixed K"
     if not worker.engine.exact:
         log(f"{args.model}: not exact here (pass shapes round differently): drafts may change greedy answers")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -34,20 +35,29 @@ class ServerConfig:
     prefix_store_bytes: int | None = None  # host memory for cached heads beyond the slots; None: the default
 
 
-def build_server(model: LoadedModel, config: ServerConfig):
-    """The FastAPI app and its engine worker (started); stop the worker when done."""
-    drafter = make_drafter(config.method, model.decoder, config.target_name or model.name, config.drafter_path,
-                           config.ngram, model.tokenizer)
-    k = default_k(drafter, config.num_speculative_tokens)
-    store = default_store_bytes() if config.prefix_store_bytes is None else config.prefix_store_bytes
-    engine = Engine(model.decoder, drafter, EngineConfig(k, model.max_positions, config.max_batch,
-                                                         adaptive=config.adaptive, prefix_store_bytes=store))
-    name = config.served_name or model.name
-    metrics = ServerMetrics(name)
-    metrics.set_exact(engine.exact)
-    cost = engine.pass_cost()  # for the stand's predicted speedup: a plain step and a full verify
-    for rows in sorted({1, engine.width}):
-        metrics.set_pass_seconds(rows, cost(rows))
-    worker = EngineWorker(engine, metrics, config.max_queue)
+def build_server(load_model: Callable[[], LoadedModel], config: ServerConfig):
+    """The FastAPI app and its engine worker (started); stop the worker when done. The model is loaded by
+    `load_model` on the engine thread, where all of its passes run (worker.py says why)."""
+    loaded: list[LoadedModel] = []
+
+    def build() -> tuple[Engine, ServerMetrics]:
+        model = load_model()
+        loaded.append(model)
+        drafter = make_drafter(config.method, model.decoder, config.target_name or model.name, config.drafter_path,
+                               config.ngram, model.tokenizer)
+        k = default_k(drafter, config.num_speculative_tokens)
+        store = default_store_bytes() if config.prefix_store_bytes is None else config.prefix_store_bytes
+        engine = Engine(model.decoder, drafter, EngineConfig(k, model.max_positions, config.max_batch,
+                                                             adaptive=config.adaptive, prefix_store_bytes=store))
+        metrics = ServerMetrics(config.served_name or model.name)
+        metrics.set_exact(engine.exact)
+        cost = engine.pass_cost()  # for the stand's predicted speedup: a plain step and a full verify
+        for rows in sorted({1, engine.width}):
+            metrics.set_pass_seconds(rows, cost(rows))
+        return engine, metrics
+
+    worker = EngineWorker(build, config.max_queue)
     worker.start()
-    return create_app(model, worker, name, config.limits, config.tool_call_parser, config.api_key), worker
+    model = loaded[0]
+    return create_app(model, worker, config.served_name or model.name, config.limits, config.tool_call_parser,
+                      config.api_key), worker

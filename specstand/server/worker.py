@@ -2,6 +2,12 @@
 
 Continuous batching: each engine step admits waiting requests into free cache slots and advances every
 running one by one shared target pass. The inbox is bounded; a full inbox is reported as overload.
+
+The engine thread also builds what it runs (loading the model, profiling passes), so that every parallel
+region of the process starts from this one thread. OpenMP keeps a team of threads for each thread that starts
+parallel work; with a second team (a model loaded on the main thread) libgomp counts more threads than cores
+and stops spinning between regions, so each of a pass's ~200 regions waited for a sleeping thread to wake:
+SmolLM2's decode passes took 18-22 ms against 10 on two AVX2 cores (benchmarks/server_overhead.py).
 """
 
 from __future__ import annotations
@@ -12,6 +18,7 @@ import logging
 import threading
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 from specstand.engine import Engine, EngineTimes, Request, StepEvent
@@ -32,9 +39,15 @@ class _Ticket:
 
 
 class EngineWorker:
-    def __init__(self, engine: Engine, metrics: ServerMetrics, max_queue: int, stall_s: float = 300.0) -> None:
-        self.engine = engine
-        self.metrics = metrics
+    def __init__(self, build: Callable[[], tuple[Engine, ServerMetrics]], max_queue: int,
+                 stall_s: float = 300.0) -> None:
+        """`build`: what the engine thread runs first (loading the model too, where it does): the engine to run
+        and the metrics it counts into."""
+        self._build = build
+        self.engine: Engine
+        self.metrics: ServerMetrics
+        self._built = threading.Event()
+        self._build_error: BaseException | None = None
         self.max_queue = max_queue
         self.stall_s = stall_s  # work waiting and no engine step finished for this long: unhealthy
         self._cond = threading.Condition()
@@ -51,7 +64,11 @@ class EngineWorker:
         self._idle_since: float | None = None  # when the engine thread began waiting for work (None: busy)
 
     def start(self) -> None:
+        """Start the engine thread; returns once it has built the engine, raises what building raised."""
         self._thread.start()
+        self._built.wait()
+        if self._build_error is not None:
+            raise self._build_error
 
     def problem(self) -> str:
         """Why the server cannot serve now ("" when it can): the engine thread died, or it has work and
@@ -102,6 +119,13 @@ class EngineWorker:
                 self._cond.notify()
 
     def _run(self) -> None:
+        try:
+            self.engine, self.metrics = self._build()
+        except BaseException as error:  # noqa: BLE001 - start() raises it on the caller's thread
+            self._build_error = error
+            return
+        finally:
+            self._built.set()
         try:
             self._loop()
         except BaseException as error:  # noqa: BLE001 - recorded for /health, then the thread ends

@@ -134,7 +134,8 @@ def _serve_config(monkeypatch, *argv: str):
     seen = {}
     monkeypatch.setattr(specstand.models, "load_model",
                         lambda model, dtype, max_seq_len, log: seen.setdefault("load", (model, dtype, max_seq_len)))
-    def build(model, config):
+    def build(load, config):
+        load()
         seen["config"] = config
         raise _Stop
 

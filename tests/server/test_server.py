@@ -22,8 +22,7 @@ PROMPTS = ["w3 w4 w5 w3 w4 w5 w3", "w9 w8 w7 w9 w8", "w20 w21 w22 w23 w20 w21", 
 
 class LiveServer:
     def __init__(self, model_dir, dtype: str = "bf16", **config):
-        model = load_model(str(model_dir), dtype, 512)
-        self.app, self.worker = build_server(model, ServerConfig(**config))
+        self.app, self.worker = build_server(lambda: load_model(str(model_dir), dtype, 512), ServerConfig(**config))
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             self.port = s.getsockname()[1]

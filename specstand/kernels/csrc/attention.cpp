@@ -616,36 +616,43 @@ __attribute__((target("avx2,fma"), always_inline)) static inline void scores_key
     for (int k = 0; k < 4; ++k) _mm256_storeu_ps(scores[p] + 8 * k, _mm256_mul_ps(acc[p][k], scale_v));
 }
 
-// With keys in the lanes: sums[d0 .. d0 + 8 N) += weights[j] * values[j][d0 ..] for the first `count` keys of the
-// block, in key order.
-template <int N>
-__attribute__((target("avx2,fma"), always_inline)) static inline void weigh_block8(const float* weights,
-                                                                                   const float* values, int64_t dim,
-                                                                                   int64_t count, int64_t d0,
-                                                                                   float* sums) {
-  __m256 acc[N];
-  for (int c = 0; c < N; ++c) acc[c] = _mm256_load_ps(sums + d0 + 8 * c);
-  for (int64_t j = 0; j < count; ++j) {
-    const __m256 w = _mm256_broadcast_ss(weights + j);
-    for (int c = 0; c < N; ++c) acc[c] = _mm256_fmadd_ps(w, _mm256_load_ps(values + j * dim + d0 + 8 * c), acc[c]);
+// With keys in the lanes: sums[p][d0 .. d0 + 8 C) = sum over keys j < keys, in key order, of weights[p][j] *
+// values[j][d0 ..] for P pairs. Each value vector is widened from the bf16 cache in a register (exactly) and
+// serves all P pairs; a pair's weights past its own length are 0, so it adds exact zeros there, as the pairs in
+// the lanes do. The same chain of FMAs per (pair, dim) as weigh_tile: the same bits.
+template <int P, int C>
+__attribute__((target("avx2,fma"), always_inline)) static inline void weigh_values_tile(const float* const* weights,
+                                                                                       const uint16_t* values,
+                                                                                       int64_t dim, int64_t keys,
+                                                                                       int64_t d0, float* const* sums) {
+  __m256 acc[P][C];
+  for (int p = 0; p < P; ++p)
+    for (int c = 0; c < C; ++c) acc[p][c] = _mm256_setzero_ps();
+  for (int64_t j = 0; j < keys; ++j) {
+    __m256 w[P];
+    for (int p = 0; p < P; ++p) w[p] = _mm256_broadcast_ss(weights[p] + j);
+    for (int c = 0; c < C; ++c) {
+      const __m128i half = _mm_loadu_si128(reinterpret_cast<const __m128i*>(values + j * dim + d0 + 8 * c));
+      const __m256 value = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(half), 16));
+      for (int p = 0; p < P; ++p) acc[p][c] = _mm256_fmadd_ps(w[p], value, acc[p][c]);
+    }
   }
-  for (int c = 0; c < N; ++c) _mm256_store_ps(sums + d0 + 8 * c, acc[c]);
+  for (int p = 0; p < P; ++p)
+    for (int c = 0; c < C; ++c) _mm256_store_ps(sums[p] + d0 + 8 * c, acc[p][c]);
 }
 
-__attribute__((target("avx2,fma"), always_inline)) static inline void weigh_values_block8(const float* weights,
-                                                                                          const float* values,
-                                                                                          int64_t dim, int64_t count,
-                                                                                          float* sums) {
-  for (int64_t d0 = 0; d0 < dim; d0 += 64) {
-    switch (std::min<int64_t>(8, (dim - d0) / 8)) {
-      case 1: weigh_block8<1>(weights, values, dim, count, d0, sums); break;
-      case 2: weigh_block8<2>(weights, values, dim, count, d0, sums); break;
-      case 3: weigh_block8<3>(weights, values, dim, count, d0, sums); break;
-      case 4: weigh_block8<4>(weights, values, dim, count, d0, sums); break;
-      case 5: weigh_block8<5>(weights, values, dim, count, d0, sums); break;
-      case 6: weigh_block8<6>(weights, values, dim, count, d0, sums); break;
-      case 7: weigh_block8<7>(weights, values, dim, count, d0, sums); break;
-      default: weigh_block8<8>(weights, values, dim, count, d0, sums); break;
+// weigh_values_tile for P pairs over every 32-dim range of the head (the last one narrower where dim needs).
+template <int P>
+__attribute__((target("avx2,fma"), always_inline)) static inline void weigh_values_pairs(const float* const* weights,
+                                                                                        const uint16_t* values,
+                                                                                        int64_t dim, int64_t keys,
+                                                                                        float* const* sums) {
+  for (int64_t d0 = 0; d0 < dim; d0 += 32) {
+    switch (std::min<int64_t>(4, (dim - d0) / 8)) {
+      case 1: weigh_values_tile<P, 1>(weights, values, dim, keys, d0, sums); break;
+      case 2: weigh_values_tile<P, 2>(weights, values, dim, keys, d0, sums); break;
+      case 3: weigh_values_tile<P, 3>(weights, values, dim, keys, d0, sums); break;
+      default: weigh_values_tile<P, 4>(weights, values, dim, keys, d0, sums); break;
     }
   }
 }
@@ -677,15 +684,26 @@ __attribute__((target("avx2,fma"))) static void attend_few_pairs(const float* q,
     }
   }
   float inverse_sum[kFewPairs];
-  for (int64_t p = 0; p < pairs; ++p)
-    inverse_sum[p] = softmax_numerators8(s.scores.data() + p * padded, positions[r0 + p / group] + 1);
-  s.sums.assign(pairs * dim, 0.0f);
-  for (int64_t b = 0; b < longest; b += 8) {
-    widen_block(cache.value(slot, kv, b), dim, std::min<int64_t>(8, longest - b), s.block.data());
-    for (int64_t p = 0; p < pairs; ++p) {
-      const int64_t count = std::min<int64_t>(8, positions[r0 + p / group] + 1 - b);
-      if (count > 0)
-        weigh_values_block8(s.scores.data() + p * padded + b, s.block.data(), dim, count, s.sums.data() + p * dim);
+  for (int64_t p = 0; p < pairs; ++p) {
+    const int64_t length = positions[r0 + p / group] + 1;
+    float* weights = s.scores.data() + p * padded;
+    inverse_sum[p] = softmax_numerators8(weights, length);
+    // a longer row's keys weigh exactly 0 for this pair (the last 8 past its length are zeros already)
+    std::fill(weights + std::min((length + 7) / 8 * 8, longest), weights + longest, 0.0f);
+  }
+  s.sums.resize(pairs * dim);
+  const uint16_t* values = cache.value(slot, kv, 0);
+  for (int64_t p0 = 0; p0 < pairs; p0 += 3) {
+    const float* weights[3];
+    float* sums[3];
+    for (int64_t p = p0; p < std::min(pairs, p0 + 3); ++p) {
+      weights[p - p0] = s.scores.data() + p * padded;
+      sums[p - p0] = s.sums.data() + p * dim;
+    }
+    switch (std::min<int64_t>(3, pairs - p0)) {
+      case 1: weigh_values_pairs<1>(weights, values, dim, longest, sums); break;
+      case 2: weigh_values_pairs<2>(weights, values, dim, longest, sums); break;
+      default: weigh_values_pairs<3>(weights, values, dim, longest, sums); break;
     }
   }
   for (int64_t p = 0; p < pairs; ++p) {

@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from specstand.cli.common import DTYPE_CHOICES, DTYPE_HELP, CliError, log
+from specstand.drafters.registry import training_free_methods
 
 if TYPE_CHECKING:
     from specstand.training.data import PartialRows, TrainRow
@@ -58,7 +59,7 @@ def _add_train_data_parser(commands: argparse._SubParsersAction) -> None:
     data.add_argument("--temperature", type=float, default=0.0, help="0: greedy answers")
     data.add_argument("--seed", type=int, default=0, help="sampling seed (with --temperature > 0)")
     data.add_argument("--samples", type=int, default=1, help="answers per call (needs --temperature > 0)")
-    data.add_argument("--method", default="suffix", choices=["none", "ngram", "suffix", "schema"],
+    data.add_argument("--method", default="suffix", choices=training_free_methods(),
                       help="training-free drafter that speeds answering up (lossless: the answers do not change)")
     data.add_argument("--k", type=int, default=5, help="draft tokens verified per pass")
     data.add_argument("--endpoint", default=None, metavar="URL",

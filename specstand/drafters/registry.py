@@ -39,6 +39,11 @@ def trained_methods() -> tuple[str, ...]:
     return tuple(name for name, spec in REGISTRY.items() if spec.trained is not None)
 
 
+def training_free_methods() -> tuple[str, ...]:
+    """Methods that draft without a drafter folder, "none" first (what can speed up answering training data)."""
+    return ("none", *(name for name, spec in REGISTRY.items() if spec.trained is None))
+
+
 def is_block_method(name: str) -> bool:
     return name in REGISTRY and REGISTRY[name].block
 

@@ -9,7 +9,7 @@ import torch
 
 from specstand.cli import main
 from specstand.drafters import REGISTRY, Draft, Drafter, MethodSpec, SequenceView, make_drafter, register
-from specstand.drafters.registry import method_help, trained_methods, vllm_methods
+from specstand.drafters.registry import method_help, trained_methods, training_free_methods, vllm_methods
 from specstand.engine import Engine, EngineConfig, Request
 from tests.conftest import random_prompts, tiny_decoder
 
@@ -36,6 +36,7 @@ def toy_method():
 def test_every_method_is_declared_once_and_named_everywhere():
     assert list(REGISTRY) == ["ngram", "suffix", "schema", "eagle3", "mtp", "dflash", "dspark", "dflash2"]
     assert trained_methods() == ("eagle3", "mtp", "dflash", "dspark", "dflash2")
+    assert training_free_methods() == ("none", "ngram", "suffix", "schema")
     assert vllm_methods()["deepseek_mtp"] == "mtp"
     assert all(name in method_help() for name in REGISTRY)
     with pytest.raises(ValueError, match="registered already"):

@@ -62,13 +62,25 @@ def time_breakdown(m: dict[str, float]) -> dict:
     prompt = m.get("vllm:prompt_tokens_total")
     hits = m.get("vllm:prefix_cache_hits_total")
     queued = m.get("vllm:request_queue_time_seconds_count")
+    engine_s = {p: v or 0.0 for p, v in phases.items()} if any(v is not None for v in phases.values()) else None
     return {
-        "engine_s": {p: v or 0.0 for p, v in phases.items()} if any(v is not None for v in phases.values()) else None,
+        "engine_s": engine_s,
+        "decode_share": _decode_share(engine_s),
         "prompt_tokens_computed": prompt - hits if prompt is not None and hits is not None else None,
         "prompt_tokens_reused": hits,
         "prompt_tokens_from_store": m.get("specstand:prefix_store_hits_total"),
         "queue_s_per_call": m["vllm:request_queue_time_seconds_sum"] / queued if queued else None,
     }
+
+
+def _decode_share(engine_s: dict[str, float] | None) -> float | None:
+    """Decode/verify passes' share of the engine's busy time (idle left out): with a share s, a run whose
+    decode/verify passes took no time at all would be 1 / (1 - s) times faster. On plain decoding's run that is
+    the most any drafter can gain at that load; prompts, which no drafter shortens, take the rest."""
+    if not engine_s:
+        return None
+    busy = sum(seconds for phase, seconds in engine_s.items() if phase != "idle")
+    return engine_s.get("decode", 0.0) / busy if busy > 0 else None
 
 
 def json_is_broken(text: str, schema: dict | None) -> bool:
@@ -273,8 +285,9 @@ def render_markdown(summary: dict, targets: list[str], users: list[int], baselin
 
 
 def _breakdown_rows(summary: dict, targets: list[str], u: int) -> list[str]:
-    """Where a run's time went at U=u (medians over repeats): the engine's seconds by phase, prompt tokens
-    computed + reused, and the wait for a slot."""
+    """Where a run's time went at U=u (medians over repeats): the engine's seconds by phase, the share of its
+    decode/verify passes (and what the run would gain without them), prompt tokens computed + reused, and the
+    wait for a slot."""
     def cells(value) -> str:
         return " | ".join(value(summary.get(t, {}).get(u, [])) for t in targets)
 
@@ -293,11 +306,20 @@ def _breakdown_rows(summary: dict, targets: list[str], u: int) -> list[str]:
         store = f" ({statistics.median(stored):.0f} from the store)" if stored else ""
         return f"{statistics.median(computed):.0f} + {statistics.median(reused):.0f}{store}"
 
+    def ceiling(runs: list[dict]) -> str:
+        shares = _values(runs, "decode_share")
+        if not shares:
+            return "–"
+        share = statistics.median(shares)
+        return f"{100 * share:.0f}% (x{1 / (1 - share):.2f})" if share < 1 else f"{100 * share:.0f}%"
+
     def queue(runs: list[dict]) -> str:
         waits = _values(runs, "queue_s_per_call")
         return f"{statistics.median(waits):.2f}" if waits else "–"
 
     return [f"| run seconds: {' / '.join(PHASES)}, U={u} | " + cells(phases) + " |",
+            f"| decode/verify passes' share of engine time (x: the run if they took none), U={u} | "
+            + cells(ceiling) + " |",
             f"| prompt tokens computed + reused, U={u} | " + cells(tokens) + " |",
             f"| wait for a slot per call (s), U={u} | " + cells(queue) + " |"]
 

@@ -133,3 +133,17 @@ def test_tool_calls_are_judged_and_compared():
     assert summarize(runs, workload, "none")["x"][1][0]["identical"] == 0.0
     plain = summarize([_tool_run("none", [None] * 4, text="hello")], workload, "none")["none"][1][0]
     assert plain["broken_json"] is None
+
+
+def test_the_breakdown_says_how_much_decoding_could_give_at_most():
+    """Plain decoding's warm 1-user run in the avx2 demo: 5.3 s of prompt passes, 3.2 s of decode passes, 0.2 s of
+    other work (idle left out): decoding is 37% of the engine's time, so a run without it would be x1.58 faster."""
+    workload = [Turn("t0", [Call(id="a", prompt="p")])]
+    phases = {"prompt": 5.3, "decode": 3.2, "draft": 0.0, "other": 0.2, "idle": 4.0}
+    metrics = {f"specstand:engine_seconds_total[phase={phase}]": seconds for phase, seconds in phases.items()}
+    summary = summarize([_run("none", 1, 0, 1.0, ["x"], metrics), _run("peer", 1, 0, 1.0, ["x"])], workload, "none")
+    assert abs(summary["none"][1][0]["decode_share"] - 3.2 / 8.7) < 1e-12
+    assert summary["peer"][1][0]["decode_share"] is None  # a server without the engine's phases
+    table = render_markdown(summary, ["none", "peer"], [1], "none", {})
+    row = "| decode/verify passes' share of engine time (x: the run if they took none), U=1 | 37% (x1.58) | – |"
+    assert row in table

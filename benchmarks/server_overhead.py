@@ -1,4 +1,4 @@
-"""What serving costs: the same calls, one at a time, through `specstand serve` (HTTP, the engine on its thread)
+"""What serving costs: the same calls, U at a time, through `specstand serve` (HTTP, the engine on its thread)
 and through the engine alone in this process, rounds alternating which goes first. Prints each side's seconds
 by phase from the engine's own counters (the server's /metrics) and the server's ratio to the engine alone:
 a decode pass should cost the same in both (the server's extra work is HTTP and tokenizing, outside passes).
@@ -34,32 +34,36 @@ class Round:
     wall: float
     prompt: float  # seconds in prompt passes
     decode: float  # seconds in decode/verify passes
-    decode_passes: int  # passes after each call's first token
+    decode_passes: int  # passes after each call's first token, counted per call (a shared pass once per call in it)
 
     @property
     def per_pass_ms(self) -> float:
         return 1e3 * self.decode / max(self.decode_passes, 1)
 
 
-def in_process(engine: Engine, requests: list[Request]) -> Round:
+def batches(items: list, users: int) -> list[list]:
+    return [items[i : i + users] for i in range(0, len(items), users)]
+
+
+def in_process(engine: Engine, requests: list[Request], users: int) -> Round:
     engine.forget_history()
     before = (engine.times.prompt, engine.times.decode)
     started, passes = time.perf_counter(), 0
-    for request in requests:
-        passes += engine.generate([request])[0].stats.target_passes - 1
+    for batch in batches(requests, users):
+        passes += sum(result.stats.target_passes - 1 for result in engine.generate(batch))
     wall = time.perf_counter() - started
     return Round(wall, engine.times.prompt - before[0], engine.times.decode - before[1], passes)
 
 
-def served(url: str, model: str, calls: list[Call]) -> Round:
+def served(url: str, model: str, calls: list[Call], users: int) -> Round:
     endpoint = OpenAIEndpoint(url, model)
 
     async def run() -> tuple[float, dict[str, float], dict[str, float]]:
         await endpoint.reset_prefix_cache()
         before = await endpoint.scrape_metrics()
         started = time.perf_counter()
-        for call in calls:
-            await endpoint.complete(call)
+        for batch in batches(calls, users):
+            await asyncio.gather(*(endpoint.complete(call) for call in batch))
         wall = time.perf_counter() - started
         after = await endpoint.scrape_metrics()
         await endpoint.close()
@@ -82,6 +86,7 @@ def main() -> None:
     parser.add_argument("--dtype", default="auto")
     parser.add_argument("--method", default="none")
     parser.add_argument("--calls", type=int, default=8, help="the workload's first calls, in order")
+    parser.add_argument("--users", type=int, default=1, help="calls sent together (each batch waits for the last)")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--max-batch", type=int, default=8, help="cache slots on both sides (serve's default)")
     parser.add_argument("--max-seq-len", type=int, default=2304)
@@ -99,18 +104,18 @@ def main() -> None:
         requests = [Request(model.encode_messages(c.messages, c.tools) if c.messages else model.encode_prompt(c.prompt),
                             c.max_tokens, SamplingParams(), model.stop_token_ids, tools=c.tools) for c in calls]
         wait_ready(target)
-        say(f"# {args.model} {args.dtype}, method {args.method}: {len(calls)} calls of {args.workload.name} one at a "
-            f"time, {args.rounds} rounds; torch threads {torch.get_num_threads()}")
+        say(f"# {args.model} {args.dtype}, method {args.method}: {len(calls)} calls of {args.workload.name}, "
+            f"{args.users} at a time, {args.rounds} rounds; torch threads {torch.get_num_threads()}")
         say(f"cpu: {kernels.cpu_model()}; flags: {' '.join(kernels.cpu_flags())}; kernel path: {kernels.best_path()}")
         bandwidth = [kernels.read_bandwidth_gbs()]
-        in_process(engine, requests[:1])  # warm-up, both sides
-        served(target.url, args.model, calls[:1])
+        in_process(engine, requests[:1], 1)  # warm-up, both sides
+        served(target.url, args.model, calls[:1], 1)
         sides: dict[str, list[Round]] = {"engine alone": [], "server": []}
         for round_ in range(args.rounds):
             order = ["engine alone", "server"] if round_ % 2 == 0 else ["server", "engine alone"]
             for side in order:
-                result = in_process(engine, requests) if side == "engine alone" else served(target.url, args.model,
-                                                                                           calls)
+                result = (in_process(engine, requests, args.users) if side == "engine alone"
+                          else served(target.url, args.model, calls, args.users))
                 sides[side].append(result)
             bandwidth.append(kernels.read_bandwidth_gbs())
         say(f"read bandwidth: {min(bandwidth):.1f}-{max(bandwidth):.1f} GB/s")

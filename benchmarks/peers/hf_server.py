@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import torch
 import uvicorn
@@ -29,11 +30,15 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     path = resolve_model_path(args.model)
-    hf = AutoModelForCausalLM.from_pretrained(path, dtype=DTYPES[args.dtype]).eval()
+    # One thread loads the model and runs every generate, as specstand's engine thread does (server/worker.py):
+    # OpenMP keeps a team per thread that starts parallel work, and with a second one libgomp stops spinning
+    # between regions, which doubled the cost of specstand's decode steps
+    torch_thread = ThreadPoolExecutor(max_workers=1)
+    load = torch_thread.submit(lambda: AutoModelForCausalLM.from_pretrained(path, dtype=DTYPES[args.dtype]).eval())
+    hf = load.result()
     tokenizer = AutoTokenizer.from_pretrained(path)
     eos = GenerationConfig.from_pretrained(path).eos_token_id
     stop = sorted({tokenizer.eos_token_id, *(eos if isinstance(eos, list) else [eos])} - {None})
-    lock = asyncio.Lock()
     app = FastAPI()
     name = f"hf-{'lookup' if args.prompt_lookup else 'plain'}"
 
@@ -56,8 +61,9 @@ def main() -> None:
     async def chat(body: dict) -> dict:
         text = tokenizer.apply_chat_template(body["messages"], add_generation_prompt=True, tokenize=False)
         ids = tokenizer(text, add_special_tokens=False)["input_ids"]
-        async with lock:  # one generate at a time, in a worker thread so the event loop keeps serving
-            tokens = await asyncio.to_thread(generate, ids, int(body.get("max_tokens") or 256))
+        # one generate at a time (the executor has one thread), off the event loop so that it keeps serving
+        tokens = await asyncio.get_running_loop().run_in_executor(torch_thread, generate, ids,
+                                                                  int(body.get("max_tokens") or 256))
         finish = "stop" if tokens and tokens[-1] in stop else "length"
         return {"id": "hf", "object": "chat.completion", "created": int(time.time()), "model": name,
                 "choices": [{"index": 0, "finish_reason": finish,

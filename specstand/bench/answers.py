@@ -1,0 +1,63 @@
+"""How the stand judges an answer: broken JSON, a broken tool call, and what two answers must share to be
+identical. An answer with tool calls is judged by its calls: broken if one's arguments are not a JSON object
+or it names a tool the call did not offer; identical if its text and calls (names, arguments as JSON values;
+ids are random) are the baseline's.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import re
+
+import jsonschema
+
+from specstand.bench.replay import CallRecord
+from specstand.server.tool_calls import offered_tool_names
+from specstand.workloads import Call
+
+_FENCE = re.compile(r"^\s*```[a-zA-Z]*\s*\n?(.*?)\n?```\s*$", re.DOTALL)
+
+
+def json_is_broken(text: str, schema: dict | None) -> bool:
+    """An expected-JSON answer is broken if it does not parse (a surrounding ``` fence is allowed) or
+    does not validate against its schema."""
+    match = _FENCE.match(text)
+    try:
+        value = json.loads(match.group(1) if match else text)
+    except json.JSONDecodeError:
+        return True
+    if schema:
+        try:
+            jsonschema.validate(value, schema)
+        except jsonschema.ValidationError:
+            return True
+    return False
+
+
+def tool_call_is_broken(tool_call: dict, offered: frozenset[str]) -> bool:
+    if tool_call.get("name") not in offered or not isinstance(tool_call.get("arguments"), str):
+        return True
+    try:
+        return not isinstance(json.loads(tool_call["arguments"]), dict)
+    except json.JSONDecodeError:
+        return True
+
+
+def answer_is_broken(record: CallRecord, call: Call) -> bool:
+    """An answer's tool calls if it has any, else its text as expected JSON."""
+    if record.tool_calls:
+        offered = offered_tool_names(call.tools)
+        return any(tool_call_is_broken(tool_call, offered) for tool_call in record.tool_calls)
+    return json_is_broken(record.text, call.json_schema)
+
+
+def answer_key(record: CallRecord) -> tuple:
+    """What two answers must share to be identical: the text and the calls (arguments compared as JSON)."""
+    calls = []
+    for tool_call in record.tool_calls or []:
+        arguments = tool_call.get("arguments")
+        with contextlib.suppress(TypeError, json.JSONDecodeError):  # unparsable arguments: compared as written
+            arguments = json.dumps(json.loads(arguments), sort_keys=True)
+        calls.append((tool_call.get("name"), arguments))
+    return record.text, tuple(calls)

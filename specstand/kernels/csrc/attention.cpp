@@ -404,16 +404,18 @@ struct Avx2Scratch {
   AlignedVector<float> sums;     // [vector][head_dim][8 lanes]: weighted values, before 1 / sum
 };
 
+// 8 bf16 values widened to fp32 (exactly).
+__attribute__((target("avx2"), always_inline)) static inline __m256 load8_bf16(const uint16_t* p) {
+  const __m256i wide = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(wide, 16));
+}
+
 // 8 consecutive keys (or values) from `first_key` as fp32 rows of `dim`, zeros past the first `count`.
 __attribute__((target("avx2"))) static void widen_block(const uint16_t* first_key, int64_t dim, int64_t count,
                                                        float* out) {
   for (int64_t i = 0; i < 8; ++i)
-    for (int64_t d = 0; d < dim; d += 8) {
-      const __m256i wide =
-          i < count ? _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(first_key + i * dim + d)))
-                    : _mm256_setzero_si256();
-      _mm256_store_ps(out + i * dim + d, _mm256_castsi256_ps(_mm256_slli_epi32(wide, 16)));
-    }
+    for (int64_t d = 0; d < dim; d += 8)
+      _mm256_store_ps(out + i * dim + d, i < count ? load8_bf16(first_key + i * dim + d) : _mm256_setzero_ps());
 }
 
 // Scores of V pair vectors against keys k0 .. k0 + K - 1 of the widened block, times `scale`, into
@@ -632,8 +634,7 @@ __attribute__((target("avx2,fma"), always_inline)) static inline void weigh_valu
     __m256 w[P];
     for (int p = 0; p < P; ++p) w[p] = _mm256_broadcast_ss(weights[p] + j);
     for (int c = 0; c < C; ++c) {
-      const __m128i half = _mm_loadu_si128(reinterpret_cast<const __m128i*>(values + j * dim + d0 + 8 * c));
-      const __m256 value = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(half), 16));
+      const __m256 value = load8_bf16(values + j * dim + d0 + 8 * c);
       for (int p = 0; p < P; ++p) acc[p][c] = _mm256_fmadd_ps(w[p], value, acc[p][c]);
     }
   }

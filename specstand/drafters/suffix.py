@@ -197,7 +197,8 @@ class SuffixDrafter(Drafter):
         self.global_tree = SuffixTree(self.config.max_depth)
         self._responses: deque[list[int]] = deque()
         self._local: dict[int, tuple[list[int], SuffixTree]] = {}  # request -> its prompt, its tree
-        self._idle: deque[tuple[list[int], SuffixTree]] = deque()  # ended requests' prompt trees, newest last
+        # ended requests' prompt trees, newest last; the oldest drop out past max_cached_prompts
+        self._idle: deque[tuple[list[int], SuffixTree]] = deque(maxlen=self.config.max_cached_prompts)
 
     def begin(self, seq: SequenceView) -> None:
         prompt = list(seq.token_ids)
@@ -249,8 +250,6 @@ class SuffixDrafter(Drafter):
             prompt, tree = local
             tree.undo()
             self._idle.append((prompt, tree))
-            if len(self._idle) > self.config.max_cached_prompts:
-                self._idle.popleft()
         response = seq.output_ids
         if not response or self.config.max_cached_responses <= 0:
             return

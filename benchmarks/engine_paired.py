@@ -22,6 +22,7 @@ from specstand import kernels
 from specstand.drafters import default_k, make_drafter
 from specstand.engine import Engine, EngineConfig, Request
 from specstand.models import load_model
+from specstand.training.data import prompt_ids
 from specstand.verification import SamplingParams
 from specstand.workloads import load_workload
 
@@ -46,8 +47,7 @@ def main() -> None:
 
     model = load_model(args.model, args.dtype, 4096, log=lambda _: None)
     calls = [call for turn in load_workload(args.workload) for call in turn.calls][: args.calls]
-    requests = [Request(model.encode_messages(call.messages, call.tools) if call.messages else
-                        model.encode_prompt(call.prompt), call.max_tokens, SamplingParams(), model.stop_token_ids)
+    requests = [Request(prompt_ids(model, call), call.max_tokens, SamplingParams(), model.stop_token_ids)
                 for call in calls]
     context = max(len(r.prompt_ids) + r.max_tokens for r in requests) + 16
     engines: dict[str, Engine] = {}

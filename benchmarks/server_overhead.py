@@ -25,6 +25,7 @@ from specstand.drafters import default_k, make_drafter
 from specstand.engine import Engine, EngineConfig, Request
 from specstand.engine.prefix_cache import default_store_bytes
 from specstand.models import load_model
+from specstand.training.data import prompt_ids
 from specstand.verification import SamplingParams
 from specstand.workloads import Call, load_workload
 
@@ -101,8 +102,8 @@ def main() -> None:
         drafter = make_drafter(args.method, model.decoder, args.model, tokenizer=model.tokenizer)
         engine = Engine(model.decoder, drafter, EngineConfig(default_k(drafter, None), model.max_positions,
                                                              args.max_batch, prefix_store_bytes=default_store_bytes()))
-        requests = [Request(model.encode_messages(c.messages, c.tools) if c.messages else model.encode_prompt(c.prompt),
-                            c.max_tokens, SamplingParams(), model.stop_token_ids, tools=c.tools) for c in calls]
+        requests = [Request(prompt_ids(model, c), c.max_tokens, SamplingParams(), model.stop_token_ids, tools=c.tools)
+                    for c in calls]
         wait_ready(target)
         say(f"# {args.model} {args.dtype}, method {args.method}: {len(calls)} calls of {args.workload.name}, "
             f"{args.users} at a time, {args.rounds} rounds; torch threads {torch.get_num_threads()}")

@@ -247,8 +247,9 @@ class GatedDeltaNet:
 
     def _delta_rule(self, qkv: torch.Tensor, beta: torch.Tensor, decay: torch.Tensor, state: torch.Tensor,
                     real: int) -> tuple[torch.Tensor, list[torch.Tensor]]:
-        """Token by token over one request's rows; returns the outputs [T, value heads, dv] and the
-        state after each of its first `real` rows."""
+        """Token by token over one request's first `real` rows; returns the outputs [T, value heads, dv] (zeros
+        past `real`) and the state after each real row. Rows past `real` pad the pass to its fixed shape (a
+        prompt's last block, a plain decoding step's K rows): no real row depends on them, so they are skipped."""
         width = qkv.shape[0]
         key_dim = self.num_k_heads * self.head_k_dim
         q, k, v = qkv.float().split([key_dim, key_dim, self.num_v_heads * self.head_v_dim], dim=-1)
@@ -260,13 +261,12 @@ class GatedDeltaNet:
             k = k.repeat_interleave(self.num_v_heads // self.num_k_heads, dim=1)
         q = q * torch.rsqrt((q * q).sum(-1, keepdim=True) + 1e-6) / self.head_k_dim**0.5
         k = k * torch.rsqrt((k * k).sum(-1, keepdim=True) + 1e-6)
-        out, states = torch.empty_like(v), []
-        for t in range(width):
+        out, states = torch.zeros_like(v), []
+        for t in range(real):
             state = state * decay[t].exp()[:, None, None]
             remembered = (state * k[t][:, :, None]).sum(-2)
             delta = (v[t] - remembered) * beta[t][:, None]
             state = state + k[t][:, :, None] * delta[:, None, :]
             out[t] = (state * q[t][:, :, None]).sum(-2)
-            if t < real:
-                states.append(state)
+            states.append(state)
         return out, states

@@ -98,9 +98,8 @@ def _train_cli(data: Path, out: Path, model_dir: Path, steps: int) -> subprocess
 
 
 def test_a_killed_training_run_resumes_to_the_same_weights(tiny_data, tiny_model_dir, tmp_path):
-    straight = tmp_path / "straight"
-    assert _train_cli(tiny_data, straight, tiny_model_dir, 30).wait(timeout=300) == 0
-    interrupted = tmp_path / "interrupted"
+    straight, interrupted = tmp_path / "straight", tmp_path / "interrupted"
+    uninterrupted = _train_cli(tiny_data, straight, tiny_model_dir, 30)  # beside the other: two cores, two runs
     process = _train_cli(tiny_data, interrupted, tiny_model_dir, 30)
     deadline = time.time() + 300
     while time.time() < deadline:  # kill it once a mid-run checkpoint exists
@@ -110,6 +109,8 @@ def test_a_killed_training_run_resumes_to_the_same_weights(tiny_data, tiny_model
         time.sleep(0.05)
     process.kill()
     process.wait()
+    straight_output = uninterrupted.communicate(timeout=300)[0]
+    assert uninterrupted.returncode == 0, straight_output
     step = torch.load(interrupted / TRAINER_STATE, weights_only=True)["step"]
     assert 10 <= step < 30
     resumed = _train_cli(tiny_data, interrupted, tiny_model_dir, 30)

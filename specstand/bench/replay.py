@@ -7,6 +7,11 @@ The load stays at U until the last counted turn ends: a user done with its own t
 uncounted filler turns (the next ones in its cyclic order) meanwhile, whose calls are cancelled once every
 user is done. Otherwise the turns left at the end would run with fewer users than U beside them, and a
 method that finishes some turns early would see its last turns served by a lighter machine.
+
+Users start together by default (as vLLM's benchmark sends its requests at once), so at U > 1 their prompts
+come together and their decoding comes together. With a stagger of S seconds, user u starts its counted
+turns u * S seconds in; until then it replays uncounted lead-in turns (the ones before its own in the cyclic
+order), cancelled at that moment, so the load is U from the first second and the users' phases are apart.
 """
 
 from __future__ import annotations
@@ -16,7 +21,7 @@ import contextlib
 import itertools
 import math
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -82,6 +87,13 @@ def cyclic_order(turns: list[Turn], users: int, user: int) -> Iterator[Turn]:
     return (turns[(start + i) % len(turns)] for i in itertools.count())
 
 
+def lead_in_order(turns: list[Turn], users: int, user: int) -> Iterator[Turn]:
+    """A staggered user's uncounted turns before its first counted one: the cyclic order backwards from the
+    turn before its own (with one turn, that turn)."""
+    start = user * turns_per_user(turns, users)
+    return (turns[(start - 1 - i) % len(turns)] for i in itertools.count())
+
+
 def assign_turns(turns: list[Turn], users: int) -> list[list[Turn]]:
     """Every user's counted turns."""
     return [list(itertools.islice(cyclic_order(turns, users, u), turns_per_user(turns, users)))
@@ -94,9 +106,13 @@ async def replay(
     users: int,
     clock: Callable[[], float] = time.perf_counter,
     on_turn: Callable[[TurnRecord], None] = lambda record: None,
+    stagger_s: float = 0.0,
 ) -> tuple[list[TurnRecord], float]:
     """Returns the counted turn records (in completion order) and the wall time until the last of them
-    ended; the fillers' calls still in flight then are cancelled (the client hangs up; a server aborts them)."""
+    ended; the fillers' calls still in flight then are cancelled (the client hangs up; a server aborts them).
+    `stagger_s`: user u starts its counted turns u * stagger_s seconds in, after uncounted lead-in turns."""
+    if stagger_s < 0:
+        raise ValueError("the users' stagger must be >= 0 seconds")
     records: list[TurnRecord] = []
     started = clock()
     all_done = asyncio.Event()
@@ -105,6 +121,8 @@ async def replay(
 
     async def user(index: int) -> None:
         nonlocal users_done, wall
+        if index and stagger_s:
+            await _for_seconds(_fill(lead_in_order(turns, users, index), endpoint, index, clock), index * stagger_s)
         order = cyclic_order(turns, users, index)
         for turn in itertools.islice(order, turns_per_user(turns, users)):
             record = await _replay_turn(turn, endpoint, index, clock)
@@ -125,6 +143,15 @@ async def replay(
 
     await asyncio.gather(*(user(i) for i in range(users)))
     return records, wall
+
+
+async def _for_seconds(work: Awaitable[None], seconds: float) -> None:
+    """Run `work` for `seconds`, then cancel what is left of it."""
+    task = asyncio.ensure_future(work)
+    await asyncio.sleep(seconds)
+    task.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await task
 
 
 async def _fill(order: Iterator[Turn], endpoint: Endpoint, user: int, clock: Callable[[], float]) -> None:

@@ -388,7 +388,7 @@ def write_report(out_dir: Path, config: dict, runs: list[RunResult], turns: list
           f"{config.get('repeats')} repeats (runs interleaved). Times are medians over repeats with "
           f"[min–max]; ≈ marks a difference inside the spread. Run seconds by phase are the engine thread's "
           f"(specstand servers): prompt and decode/verify passes, drafting, other engine work, idle.\n"
-          f"{_machine_line(config.get('machine'))}{_reset_line(config)}"
+          f"{_machine_line(config.get('machine'))}{_reset_line(config)}{_stagger_line(config)}"
           f"{state}{status}\n{tables}")
     write_text_atomic(out_dir / "report.md", md)
     for index, (warm, summary) in enumerate(summaries.items()):
@@ -406,6 +406,14 @@ def _reset_line(config: dict) -> str:
     line = "\nEach run started with the server's prompt cache and drafter memory reset"
     line += f" ({', '.join(restarted)}: the server restarted, having no /reset_prefix_cache route)" if restarted else ""
     return line + (f", except on {', '.join(kept)} (no /reset_prefix_cache route).\n" if kept else ".\n")
+
+
+def _stagger_line(config: dict) -> str:
+    stagger = config.get("stagger_s") or 0
+    if not stagger:
+        return "\nUsers started their turns together.\n" if "stagger_s" in config else ""
+    return (f"\nUser u started its counted turns {stagger:g} s x u into each run, replaying uncounted turns until "
+            "then (the load was U throughout).\n")
 
 
 def _machine_line(machine: dict | None) -> str:

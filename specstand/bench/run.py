@@ -77,6 +77,7 @@ class BenchConfig:
     extra: dict = field(default_factory=dict)
     api_key: str | None = None  # sent to every target (never written to the report)
     warm: tuple[str, ...] = ("system",)  # the states runs begin in (WARM_STATES), each a table of its own
+    stagger_s: float = 0.0  # user u starts its counted turns u * stagger_s seconds into a run (bench/replay.py)
 
 
 def first_call(turn: Turn) -> Turn:
@@ -266,6 +267,7 @@ async def run_bench(targets: list[Target], turns: list[Turn], config: BenchConfi
     heads = shared_heads(turns)
     report_config["warm"] = {warm: WARM_WORDS[warm] for warm in config.warm}
     report_config["shared_heads"] = len(heads)
+    report_config["stagger_s"] = config.stagger_s
     per_run = {u: sum(len(own) for own in assign_turns(turns, u)) for u in config.users}
     total = config.repeats * len(targets) * len(config.warm) * sum(per_run.values())
     try:
@@ -296,7 +298,8 @@ async def run_bench(targets: list[Target], turns: list[Turn], config: BenchConfi
                     if warm == "system":
                         await warm_up(endpoint, heads)
                     before = await endpoint.scrape_metrics()
-                    records, wall = await replay(turns, endpoint, users, on_turn=lambda _: bar.update())
+                    records, wall = await replay(turns, endpoint, users, on_turn=lambda _: bar.update(),
+                                                 stagger_s=config.stagger_s)
                     await endpoint.wait_idle()  # the fillers' cancelled calls
                     after = await endpoint.scrape_metrics()
                     runs.append(RunResult(name, users, repeat, wall, records, _run_delta(before, after), warm))

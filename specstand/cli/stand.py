@@ -82,6 +82,10 @@ def _add_bench_parser(commands: argparse._SubParsersAction) -> None:
                             "workload's system prompts and tool definitions, as on a server that has served "
                             "the same agent: an agent repeats them in every call) or none (cold, every head "
                             "computed in the run; a first call of the day). Default: system")
+    bench.add_argument("--stagger", type=float, default=0.0, metavar="SECONDS",
+                       help="user u starts its counted turns u * SECONDS into each run, replaying uncounted turns "
+                            "until then, so that the load is U throughout and the users' prompts and answers do "
+                            "not come in lockstep (default 0: all start together)")
     bench.add_argument("--limit-turns", type=int, default=None, help="replay only the workload's first N turns")
     bench.add_argument("--baseline", default=None, help="target the others are compared with (default: first)")
     bench.add_argument("--drafter", action="append", type=Path, default=[],
@@ -157,6 +161,8 @@ def cmd_bench(args: argparse.Namespace) -> None:
     warm = _parse_warm(args.warm)
     if args.repeats < 1:
         raise CliError("--repeats must be >= 1")
+    if args.stagger < 0:
+        raise CliError("--stagger must be >= 0 seconds")
     turns = load_workload(args.workload)[: args.limit_turns]
     methods, configured = _bench_methods(args)
     # a `kill` must stop the servers started below too (the finally clause), or they keep loading the CPU
@@ -262,7 +268,8 @@ def _bench_config(args: argparse.Namespace, users: list[int], warm: tuple[str, .
         raise CliError(f"--baseline {baseline!r} is not one of the targets")
     return BenchConfig(str(args.workload), users, args.repeats, args.out, baseline,
                        {"model": args.model, "dtype": args.dtype, "max_batch": args.max_batch,
-                        "max_seq_len": args.max_seq_len}, api_key=args.api_key, warm=warm)
+                        "max_seq_len": args.max_seq_len}, api_key=args.api_key, warm=warm,
+                       stagger_s=args.stagger)
 
 
 def _exit_on_sigterm(signum: int, _frame) -> None:

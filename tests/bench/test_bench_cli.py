@@ -28,7 +28,7 @@ def test_bench_runs_methods_side_by_side(tmp_path, tiny_model_dir, capsys):
     out = tmp_path / "report"
     code = main(["bench", "--workload", str(workload), "--model", str(tiny_model_dir), "--method", "none,ngram",
                  "--method", "suffix@fixed", "--users", "1,2", "--repeats", "1", "--warm", "system,none",
-                 "--out", str(out)])
+                 "--stagger", "0.05", "--out", str(out)])
     printed = capsys.readouterr().out
     assert code == 0
     assert "| turn p50, U=2 (s) |" in printed and "| identical to none | 100.0% | 100.0% | 100.0% |" in printed
@@ -38,6 +38,8 @@ def test_bench_runs_methods_side_by_side(tmp_path, tiny_model_dir, capsys):
     raw = json.loads((out / "report.json").read_text())
     assert raw["complete"] and len(raw["runs"]) == 3 * 2 * 2
     assert raw["config"]["shared_heads"] == 1
+    assert raw["config"]["stagger_s"] == 0.05  # user 1 of 2 starts 0.05 s in, after an uncounted lead-in
+    assert "counted turns 0.05 s x u into each run" in (out / "report.md").read_text()
     # warm: the system prompt was cached before the run, so more of each prompt is reused than cold
     by_warm = raw["summary_by_warm"]
     for target in ("none", "ngram"):
@@ -65,6 +67,7 @@ def test_bench_argument_errors(tmp_path, capsys):
     for argv, message in (
         (["--users", "0"], "--users needs counts >= 1"),
         (["--users", "a,b"], "comma-separated integers"),
+        (["--stagger", "-1"], "--stagger must be >= 0"),
         (["--method", "none"], "--method needs --model"),
         (["--model", "m", "--method", "none@fixed"], "unknown method"),
         ([], "give --endpoint"),

@@ -9,9 +9,10 @@ user is done. Otherwise the turns left at the end would run with fewer users tha
 method that finishes some turns early would see its last turns served by a lighter machine.
 
 Users start together by default (as vLLM's benchmark sends its requests at once), so at U > 1 their prompts
-come together and their decoding comes together. With a stagger of S seconds, user u starts its counted
-turns u * S seconds in; until then it replays uncounted lead-in turns (the ones before its own in the cyclic
-order), cancelled at that moment, so the load is U from the first second and the users' phases are apart.
+come together and their decoding comes together. With a stagger of S seconds, user u starts u * S seconds in:
+the load ramps from 1 to U users over the first (U - 1) * S seconds, and the users' phases stay apart. Nothing
+replays before a user starts: any turn replayed early would leave its prompts in the server's cache and its
+answers in a drafter's memory for the user that counts it later.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ import contextlib
 import itertools
 import math
 import time
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -87,13 +88,6 @@ def cyclic_order(turns: list[Turn], users: int, user: int) -> Iterator[Turn]:
     return (turns[(start + i) % len(turns)] for i in itertools.count())
 
 
-def lead_in_order(turns: list[Turn], users: int, user: int) -> Iterator[Turn]:
-    """A staggered user's uncounted turns before its first counted one: the cyclic order backwards from the
-    turn before its own (with one turn, that turn)."""
-    start = user * turns_per_user(turns, users)
-    return (turns[(start - 1 - i) % len(turns)] for i in itertools.count())
-
-
 def assign_turns(turns: list[Turn], users: int) -> list[list[Turn]]:
     """Every user's counted turns."""
     return [list(itertools.islice(cyclic_order(turns, users, u), turns_per_user(turns, users)))
@@ -110,7 +104,7 @@ async def replay(
 ) -> tuple[list[TurnRecord], float]:
     """Returns the counted turn records (in completion order) and the wall time until the last of them
     ended; the fillers' calls still in flight then are cancelled (the client hangs up; a server aborts them).
-    `stagger_s`: user u starts its counted turns u * stagger_s seconds in, after uncounted lead-in turns."""
+    `stagger_s`: user u starts u * stagger_s seconds in."""
     if stagger_s < 0:
         raise ValueError("the users' stagger must be >= 0 seconds")
     records: list[TurnRecord] = []
@@ -121,8 +115,7 @@ async def replay(
 
     async def user(index: int) -> None:
         nonlocal users_done, wall
-        if index and stagger_s:
-            await _for_seconds(_fill(lead_in_order(turns, users, index), endpoint, index, clock), index * stagger_s)
+        await asyncio.sleep(index * stagger_s)
         order = cyclic_order(turns, users, index)
         for turn in itertools.islice(order, turns_per_user(turns, users)):
             record = await _replay_turn(turn, endpoint, index, clock)
@@ -143,15 +136,6 @@ async def replay(
 
     await asyncio.gather(*(user(i) for i in range(users)))
     return records, wall
-
-
-async def _for_seconds(work: Awaitable[None], seconds: float) -> None:
-    """Run `work` for `seconds`, then cancel what is left of it."""
-    task = asyncio.ensure_future(work)
-    await asyncio.sleep(seconds)
-    task.cancel()
-    with contextlib.suppress(asyncio.CancelledError):
-        await task
 
 
 async def _fill(order: Iterator[Turn], endpoint: Endpoint, user: int, clock: Callable[[], float]) -> None:

@@ -412,8 +412,8 @@ def _stagger_line(config: dict) -> str:
     stagger = config.get("stagger_s") or 0
     if not stagger:
         return "\nUsers started their turns together.\n" if "stagger_s" in config else ""
-    return (f"\nUser u started its counted turns {stagger:g} s x u into each run, replaying uncounted turns until "
-            "then (the load was U throughout).\n")
+    return (f"\nUser u started {stagger:g} s x u into each run: the load ramped from 1 to U users over the first "
+            f"(U - 1) x {stagger:g} s.\n")
 
 
 def _machine_line(machine: dict | None) -> str:

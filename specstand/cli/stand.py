@@ -83,9 +83,8 @@ def _add_bench_parser(commands: argparse._SubParsersAction) -> None:
                             "the same agent: an agent repeats them in every call) or none (cold, every head "
                             "computed in the run; a first call of the day). Default: system")
     bench.add_argument("--stagger", type=float, default=0.0, metavar="SECONDS",
-                       help="user u starts its counted turns u * SECONDS into each run, replaying uncounted turns "
-                            "until then, so that the load is U throughout and the users' prompts and answers do "
-                            "not come in lockstep (default 0: all start together)")
+                       help="user u starts u * SECONDS into each run (the load ramps from 1 to U), so that the "
+                            "users' prompts and answers do not come in lockstep (default 0: all start together)")
     bench.add_argument("--limit-turns", type=int, default=None, help="replay only the workload's first N turns")
     bench.add_argument("--baseline", default=None, help="target the others are compared with (default: first)")
     bench.add_argument("--drafter", action="append", type=Path, default=[],

@@ -38,8 +38,8 @@ def test_bench_runs_methods_side_by_side(tmp_path, tiny_model_dir, capsys):
     raw = json.loads((out / "report.json").read_text())
     assert raw["complete"] and len(raw["runs"]) == 3 * 2 * 2
     assert raw["config"]["shared_heads"] == 1
-    assert raw["config"]["stagger_s"] == 0.05  # user 1 of 2 starts 0.05 s in, after an uncounted lead-in
-    assert "counted turns 0.05 s x u into each run" in (out / "report.md").read_text()
+    assert raw["config"]["stagger_s"] == 0.05  # user 1 of 2 starts 0.05 s in
+    assert "User u started 0.05 s x u into each run" in (out / "report.md").read_text()
     # warm: the system prompt was cached before the run, so more of each prompt is reused than cold
     by_warm = raw["summary_by_warm"]
     for target in ("none", "ngram"):

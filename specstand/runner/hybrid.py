@@ -44,7 +44,7 @@ class SparseMoE:
     says so), summed in expert order, plus a shared expert scaled by a sigmoid gate. A row's experts and
     their order depend on the row alone. How many rows an expert gets depends on the others in the pass,
     so an expert runs on all its rows at once only where its linears are packed (batch-invariant);
-    on torch's linears it runs one row at a time."""
+    on torch's linears it runs one row at a time, real rows only (no real row depends on a padding row)."""
 
     router: Linear  # [experts, hidden]
     experts: list[GatedMLP]
@@ -53,7 +53,8 @@ class SparseMoE:
     shared: GatedMLP
     shared_gate: Linear  # [1, hidden]
 
-    def __call__(self, x: torch.Tensor, rows_alone: bool = False) -> torch.Tensor:
+    def __call__(self, x: torch.Tensor, rows_alone: bool = False, real: torch.Tensor | None = None) -> torch.Tensor:
+        """`real`: which rows of x (flattened) are real, the rest padding (None: all)."""
         rows = x.reshape(-1, x.shape[-1])
         weights, chosen = torch.topk(torch.softmax(self.router(rows, rows_alone).float(), dim=-1), self.top_k, dim=-1)
         if self.normalise:
@@ -66,6 +67,10 @@ class SparseMoE:
             if expert.down.packed is not None:
                 y = expert(rows[row])
             else:
+                if real is not None:
+                    row, slot = row[real[row]], slot[real[row]]
+                    if not len(row):
+                        continue
                 y = torch.cat([expert(rows[r : r + 1]) for r in row.tolist()])
             out.index_add_(0, row, y * weights[row, slot, None])
         out = out + torch.sigmoid(self.shared_gate(rows, rows_alone)) * self.shared(rows, rows_alone)
@@ -88,7 +93,11 @@ class HybridLayer:
     def __call__(self, hidden: torch.Tensor, positions: torch.Tensor, ctx: PassContext) -> torch.Tensor:
         mixed = self.mixer(self.mixer_norm(hidden), positions, ctx)
         hidden = hidden + (mixed if self.post_mixer_norm is None else self.post_mixer_norm(mixed))
-        out = self.mlp(self.mlp_norm(hidden), ctx.rows_alone)
+        normed = self.mlp_norm(hidden)
+        if isinstance(self.mlp, SparseMoE):
+            out = self.mlp(normed, ctx.rows_alone, ctx.real_mask(hidden.shape[1]))
+        else:
+            out = self.mlp(normed, ctx.rows_alone)
         return hidden + (out if self.post_mlp_norm is None else self.post_mlp_norm(out))
 
 

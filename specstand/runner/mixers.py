@@ -88,6 +88,10 @@ class PassContext:
         has one shape, so its rows depend on the block alone)."""
         return not self.prompt
 
+    def real_mask(self, width: int) -> torch.Tensor:
+        """[requests * width] bool: which rows of the pass (flattened request by request) are real, not padding."""
+        return (torch.arange(width)[None] < torch.tensor(self.real_rows)[:, None]).reshape(-1)
+
     def rows_to_keep(self, start: int, real: int) -> list[int]:
         return self.cache.rows_to_keep(start, real, every_row=not self.prompt)
 

@@ -163,6 +163,10 @@ def cmd_bench(args: argparse.Namespace) -> None:
     if args.stagger < 0:
         raise CliError("--stagger must be >= 0 seconds")
     turns = load_workload(args.workload)[: args.limit_turns]
+    if args.stagger and len(turns) < max(users):
+        log(f"--stagger with {len(turns)} turns for {max(users)} users: users that replay the same turn find its "
+            "prompts cached and its answers remembered from the user that started it earlier; give at least as "
+            "many turns as users")
     methods, configured = _bench_methods(args)
     # a `kill` must stop the servers started below too (the finally clause), or they keep loading the CPU
     signal.signal(signal.SIGTERM, _exit_on_sigterm)

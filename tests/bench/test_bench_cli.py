@@ -201,8 +201,10 @@ def test_a_peer_with_no_reset_route_is_restarted_before_each_run(tmp_path, capsy
     save_workload(turns, tmp_path / "w.jsonl")
     code = main(["bench", "--workload", str(tmp_path / "w.jsonl"), "--endpoint", f"peer=http://127.0.0.1:{port}",
                  "--endpoint-command", f"peer={sys.executable} {script} {port} {starts}", "--users", "1,2",
-                 "--repeats", "2", "--warm", "none", "--out", str(tmp_path / "report")])
-    assert code == 0, capsys.readouterr().err
+                 "--repeats", "2", "--warm", "none", "--stagger", "0.01", "--out", str(tmp_path / "report")])
+    err = capsys.readouterr().err
+    assert code == 0, err
+    assert "--stagger with 1 turns for 2 users" in err  # the second user would find the first one's turn cached
     assert starts.read_text().count("started") == 1 + 2 * 2  # the bench's start, then one before each run
     raw = json.loads((tmp_path / "report" / "report.json").read_text())
     assert raw["config"]["restarted_per_run"] == ["peer"]

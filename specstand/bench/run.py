@@ -77,7 +77,7 @@ class BenchConfig:
     extra: dict = field(default_factory=dict)
     api_key: str | None = None  # sent to every target (never written to the report)
     warm: tuple[str, ...] = ("system",)  # the states runs begin in (WARM_STATES), each a table of its own
-    stagger_s: float = 0.0  # user u starts its counted turns u * stagger_s seconds into a run (bench/replay.py)
+    stagger_s: float = 0.0  # user u starts u * stagger_s seconds into a run (bench/replay.py)
 
 
 def first_call(turn: Turn) -> Turn:

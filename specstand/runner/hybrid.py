@@ -68,7 +68,8 @@ class SparseMoE:
                 y = expert(rows[row])
             else:
                 if real is not None:
-                    row, slot = row[real[row]], slot[real[row]]
+                    kept = real[row]
+                    row, slot = row[kept], slot[kept]
                     if not len(row):
                         continue
                 y = torch.cat([expert(rows[r : r + 1]) for r in row.tolist()])

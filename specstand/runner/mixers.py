@@ -76,11 +76,12 @@ class PassContext:
     cache: StateCache
     prompt: bool  # a prompt pass keeps fewer recurrent states (see StateCache.rows_to_keep)
     _runs: dict[int | None, list[list[_AttentionRun]]]
+    _real_masks: dict[int, torch.Tensor]
 
     @classmethod
     def build(cls, start_positions: list[int], slots: list[int], real_rows: list[int], cache: StateCache,
               prompt: bool) -> PassContext:
-        return cls(start_positions, slots, real_rows, cache, prompt, {})
+        return cls(start_positions, slots, real_rows, cache, prompt, {}, {})
 
     @property
     def rows_alone(self) -> bool:
@@ -89,8 +90,11 @@ class PassContext:
         return not self.prompt
 
     def real_mask(self, width: int) -> torch.Tensor:
-        """[requests * width] bool: which rows of the pass (flattened request by request) are real, not padding."""
-        return (torch.arange(width)[None] < torch.tensor(self.real_rows)[:, None]).reshape(-1)
+        """[requests * width] bool: which rows of the pass (flattened request by request) are real, not padding;
+        built once a pass, as every sparse-expert layer asks for it."""
+        if width not in self._real_masks:
+            self._real_masks[width] = (torch.arange(width)[None] < torch.tensor(self.real_rows)[:, None]).reshape(-1)
+        return self._real_masks[width]
 
     def rows_to_keep(self, start: int, real: int) -> list[int]:
         return self.cache.rows_to_keep(start, real, every_row=not self.prompt)

@@ -39,10 +39,12 @@ def prompt_macs(shape, length: int) -> dict[str, float]:
 
 
 def time_prompt(runner: TargetRunner, prompt: list[int], repeats: int) -> tuple[float, dict[str, float]]:
-    """Median seconds of the whole prompt and the mean seconds of each phase over the repeats (one warm-up)."""
+    """Median seconds of the whole prompt and of each phase over the repeats (one warm-up). Medians, not means:
+    one repeat slowed by a neighbour on the host would otherwise move every phase's figure."""
     slot = runner.cache.allocate()
     compiled = runner.compiled
-    times, phases = [], dict.fromkeys(PHASES, 0.0)
+    times: list[float] = []
+    phases: dict[str, list[float]] = {phase: [] for phase in PHASES}
     for repeat in range(repeats + 1):
         runner.cache.rollback(slot, 0)
         compiled.take_profile()
@@ -50,10 +52,11 @@ def time_prompt(runner: TargetRunner, prompt: list[int], repeats: int) -> tuple[
         runner.prefill(slot, prompt)
         if repeat:
             times.append(time.perf_counter() - started)
-            for phase, seconds in compiled.take_profile().items():
-                phases[phase] += seconds / repeats
+            profile = compiled.take_profile()
+            for phase in PHASES:
+                phases[phase].append(profile.get(phase, 0.0))
     runner.cache.release(slot)
-    return statistics.median(times), phases
+    return statistics.median(times), {phase: statistics.median(seconds) for phase, seconds in phases.items()}
 
 
 def torch_gemm_rate(shape, rows: int, repeats: int) -> float:

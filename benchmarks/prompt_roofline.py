@@ -1,7 +1,9 @@
 """Where a prompt's time goes against the kernel path's measured MAC peak: a preset's compiled prompt passes
 (chunks of PROMPT_CHUNK rows) at agent prompt lengths, split into linears / attention / head / rest, each with the
-multiply-accumulates it computed per second and its share of the path's register-loop peak; beside them torch's own
-bf16 GEMM (oneDNN) on the same linear shapes at one chunk's rows, measured in the same run.
+multiply-accumulates it computed per second and its share of the peak of the instruction it runs on (the linears
+and head: the dtype's kernel, so q8_0's integer loop for q8_0; attention: the path's fp32/bf16 FMA loop). The
+whole prompt's share is its roofline time (each phase's MACs at its peak) over its measured time. Beside them
+torch's own bf16 GEMM (oneDNN) on the same linear shapes at one chunk's rows, measured in the same run.
 
     python benchmarks/prompt_roofline.py --model qwen2.5-coder-0.5b --dtype q8_0 --lengths 512,2048 --out FILE
 
@@ -16,6 +18,7 @@ import time
 from pathlib import Path
 
 import torch
+from pass_cost import peak_rates
 from printed import Printed
 
 from specstand import kernels
@@ -84,7 +87,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default="qwen2.5-coder-0.5b")
     parser.add_argument("--lengths", default="512,2048", help="prompt lengths in tokens, comma-separated")
-    parser.add_argument("--dtype", default="bf16", help="bf16 or q8_0 (the peak stays the path's FMA loop)")
+    parser.add_argument("--dtype", default="bf16", help="bf16 or q8_0")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--out", type=Path, help="also write the report here")
@@ -97,14 +100,17 @@ def main() -> None:
     if compiled is None or not compiled.fast_for_prompts:
         raise SystemExit("this path computes prompts with torch, not the compiled forward: nothing to measure")
     shape = loaded.decoder.shape
-    peak = kernels.peak_macs_per_second(compiled.path) * args.threads
+    peak = kernels.peak_macs_per_second(compiled.path) * args.threads  # attention's, and torch's bf16 GEMM's
+    linear_peaks = peak_rates(compiled.path, args.dtype, args.threads)  # by whether a pass has 16 rows or more
+    peaks = {"linear": linear_peaks[True], "attention": peak, "head": linear_peaks[False]}  # head: one row a chunk
     say(f"# prompt roofline: {args.model} {args.dtype}, {args.threads} threads, {PROMPT_CHUNK}-row chunks, "
         f"medians of {args.repeats}")
     say(f"cpu: {kernels.cpu_model()}; flags: {' '.join(kernels.cpu_flags())}; kernel path: {compiled.path}")
-    say(f"peak {peak / 1e9:.0f} GMAC/s ({compiled.path} register loop x {args.threads} cores); read bandwidth "
+    say(f"peaks ({compiled.path} register loops x {args.threads} cores): linears {peaks['linear'] / 1e9:.0f} "
+        f"GMAC/s ({args.dtype}), attention {peak / 1e9:.0f} GMAC/s (FMA); read bandwidth "
         f"{kernels.read_bandwidth_gbs():.1f} GB/s")
     say()
-    say("tokens | tokens/s | % of peak | "
+    say("tokens | tokens/s | % of roofline | "
         + " | ".join(f"{p} ms" + (" (% of peak)" if p != "other" else "") for p in PHASES))
     runner = TargetRunner(loaded.decoder, 1, max(lengths) + 64)
     generator = torch.Generator().manual_seed(1)
@@ -112,9 +118,10 @@ def main() -> None:
         prompt = torch.randint(10, 1000, (length,), generator=generator).tolist()
         seconds, phases = time_prompt(runner, prompt, args.repeats)
         macs = prompt_macs(shape, length)
-        cells = [f"{phases[p] * 1e3:.1f}" + (f" ({macs[p] / phases[p] / peak:.0%})" if macs[p] else "")
+        cells = [f"{phases[p] * 1e3:.1f}" + (f" ({macs[p] / phases[p] / peaks[p]:.0%})" if macs[p] else "")
                  for p in PHASES]
-        say(f"{length:6d} | {length / seconds:8.0f} | {sum(macs.values()) / seconds / peak:9.0%} | "
+        roofline = sum(macs[p] / peaks[p] for p in peaks)
+        say(f"{length:6d} | {length / seconds:8.0f} | {roofline / seconds:13.0%} | "
             + " | ".join(cells))
     rate = torch_gemm_rate(shape, PROMPT_CHUNK, args.repeats)
     say()

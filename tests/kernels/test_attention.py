@@ -37,8 +37,9 @@ def test_attention_matches_a_float64_reference(path, shape):
     q = torch.randn(len(positions), heads * head_dim, generator=torch.Generator().manual_seed(1))
     scale = 1 / math.sqrt(head_dim)
     out = _attend(path, q, keys, values, slots, positions, scale).double()
-    # amx rounds queries and softmax numerators to bf16 (its tile products take bf16); the other paths keep fp32
-    rounded = path == "amx"
+    # amx and avx512bf16 round queries and softmax numerators to bf16 at head_dim 32, 64 and 128 (their tile
+    # products take bf16); the other paths and widths keep fp32
+    rounded = path in ("amx", "avx512bf16") and head_dim in (32, 64, 128)
     group = heads // kv_heads
     for r, (slot, position) in enumerate(zip(slots, positions, strict=True)):
         for h in range(heads):
@@ -51,7 +52,7 @@ def test_attention_matches_a_float64_reference(path, shape):
             exact = p @ v
             # fp32: each score off by at most head_dim rounding steps of its |products|, which moves a weight
             # by twice that relatively (4x: margin); exp within a few ulp; the sums over keys and the division
-            # by (position + head_dim + 24) steps of 2^-23; bf16 numerators (amx) 2^-8 more
+            # by (position + head_dim + 24) steps of 2^-23; bf16 numerators (tiles) 2^-8 more
             score_error = head_dim * 2.0**-23 * float(products.max())
             relative = 4 * score_error + (position + head_dim + 24) * 2.0**-23 + (2.0**-8 if rounded else 0)
             bound = relative * (p @ v.abs()) + 1e-30

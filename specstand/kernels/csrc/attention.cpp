@@ -1,9 +1,11 @@
-// Decode/verify attention over a bf16 cache, three paths side by side:
+// Decode/verify attention over a bf16 cache, four paths side by side:
 //   amx (head_dim 32, 64 or 128): queries and softmax weights rounded to bf16, tdpbf16ps for q.k and p.v
 //        with fp32 accumulation, softmax in fp32. A request's query vectors (its rows x the heads sharing a
 //        kv head) fill 16-row tiles; each element of a tile product depends on its own row alone, and keys
 //        past a row's length weigh exactly 0, so which rows share a tile never changes a row's bits.
-//   avx512 (other widths on amx, all on avx512bf16): fp32 FMA over keys widened exactly on load.
+//   avx512bf16 (head_dim 32, 64 or 128): the same roundings and tile layouts, the products by vdpbf16ps, one
+//        chain per element over the dim pairs (q.k) or key pairs (p.v) in order, whatever else shares the tile.
+//   avx512 (other widths on amx and avx512bf16): fp32 FMA over keys widened exactly on load.
 //   avx2 (head_dim a multiple of 8): fp32 FMA with (row, head) pairs in the lanes (up to 48 pairs of a request
 //        sharing each block of keys and values widened to fp32 in L1), or, for at most 6 pairs (a decoding
 //        row), keys in the lanes; both make each score, sum and weighted value the same way.
@@ -143,16 +145,24 @@ __attribute__((target("avx512f"))) static void attend_group16(const float* q, fl
   weigh_values16_heads<DC, H>(scores.data(), padded, inverse_sum, out, group, slot, kv, length, cache);
 }
 
-// ---- amx: S = Q K^T and O = P V as tile products -----------------------------------------------------------
+// ---- amx and avx512bf16: S = Q K^T and O = P V as tile products ------------------------------------------------
 
 // One task's operands in tile layouts, rebuilt per task (a request's keys are read once for all its rows).
-struct AmxScratch {
+// Each thread keeps its own between passes: allocated afresh, a long cache's packed keys and values faulted in
+// their pages on every pass (a decoding row's attention at 2000 positions 20% slower than the fp32 loop).
+struct TileScratch {
   AlignedVector<uint32_t> keys;    // K^T: [16-key block][head_dim / 32][16 dim pairs][16 keys], bf16 pairs
   AlignedVector<uint16_t> values;  // V: [32-key block][head_dim / 16][16 key pairs][16 dims][2 keys]
   AlignedVector<uint16_t> queries; // [16][head_dim] bf16
   std::vector<float> scores;       // [16][padded keys]
   AlignedVector<uint16_t> weights; // softmax numerators, bf16 [16][padded keys]
 };
+
+// At least n elements; a scratch buffer never shrinks (whatever it held stays: callers write what they read).
+template <typename V>
+static void grow(V& v, size_t n) {
+  if (v.size() < n) v.resize(n);
+}
 
 // r[i][j] -> r[j][i] for a 16 x 16 block of 32-bit values.
 __attribute__((target("avx512f"))) static void transpose16x16(__m512i* r) {
@@ -191,10 +201,10 @@ static void prefetch_keys_values(const CacheView& cache, int64_t slot, int64_t k
 // Keys [0, length) of (slot, kv) into the tile layouts; keys up to `padded` (a multiple of 32) are zeros.
 __attribute__((target("avx512f,avx512bw"))) static void pack_keys_values(const CacheView& cache, int64_t slot,
                                                                          int64_t kv, int64_t length,
-                                                                         int64_t padded, AmxScratch& s) {
+                                                                         int64_t padded, TileScratch& s) {
   const int64_t D = cache.head_dim, dblocks = D / 16;
-  s.keys.resize(padded * D / 2);
-  s.values.resize(padded * D);
+  grow(s.keys, padded * D / 2);
+  grow(s.values, padded * D);
   // a task reads a few KiB per key block, too little for the hardware prefetchers to ramp up: ask ahead
   constexpr int64_t ahead = 128;
   prefetch_keys_values(cache, slot, kv, 0, std::min(length, ahead));
@@ -231,9 +241,9 @@ __attribute__((target("avx512f,avx512bw"))) static void pack_keys_values(const C
 // Scores S = Q K^T of the 16 query vectors in s.queries against the packed keys, into s.scores: tile 0
 // accumulates the head width's halves (queries in tiles 1-4, keys in 5 and 6).
 __attribute__((target("amx-tile,amx-bf16,avx512f"))) static void scores_amx(int64_t D, int64_t padded,
-                                                                            AmxScratch& s) {
+                                                                            TileScratch& s) {
   const int64_t halves = D / 32;
-  s.scores.resize(16 * padded);
+  grow(s.scores, 16 * padded);
   _tile_loadd(1, s.queries.data(), D * 2);
   if (halves > 1) _tile_loadd(2, s.queries.data() + 32, D * 2);
   if (halves > 2) {
@@ -265,8 +275,8 @@ __attribute__((target("amx-tile,amx-bf16,avx512f"))) static void scores_amx(int6
 // same product, so the same bits).
 __attribute__((target("avx512f,avx512bf16"))) static void softmax_numerators(const int64_t* lengths, int64_t count,
                                                                            int64_t padded, float scale,
-                                                                           AmxScratch& s, float* inverse_sum) {
-  s.weights.resize(16 * padded);
+                                                                           TileScratch& s, float* inverse_sum) {
+  grow(s.weights, 16 * padded);
   const __m512 scale_v = _mm512_set1_ps(scale);
   for (int64_t v = 0; v < count; ++v) {
     const float* row = s.scores.data() + v * padded;
@@ -303,7 +313,7 @@ __attribute__((target("avx512f,avx512bf16"))) static void softmax_numerators(con
 __attribute__((target("amx-tile,amx-bf16,avx512f"))) static void weigh_values_amx(float* const* out, int64_t count,
                                                                                   int64_t D, int64_t padded,
                                                                                   const float* inverse_sum,
-                                                                                  const AmxScratch& s) {
+                                                                                  const TileScratch& s) {
   const int64_t dblocks = D / 16;
   alignas(64) float result[4][256];
   for (int64_t d0 = 0; d0 < dblocks; d0 += 4) {
@@ -341,27 +351,143 @@ __attribute__((target("amx-tile,amx-bf16,avx512f"))) static void weigh_values_am
   }
 }
 
-// Up to 16 query vectors (vector v: query q[v], length lengths[v]) over the packed keys and values. Rows of
-// s.queries past `count` keep whatever they held: a tile row only meets its own row of the products.
-__attribute__((target("avx512f,avx512bf16"))) static void attend_tile_amx(const float* const* q, float* const* out,
-                                                                         const int64_t* lengths, int64_t count,
-                                                                         int64_t D, int64_t padded, float scale,
-                                                                         AmxScratch& s) {
-  s.queries.resize(16 * D);
+// Up to 16 query vectors (query q[v], length lengths[v]) rounded to bf16 into s.queries. Rows past `count`
+// keep whatever they held: a tile row only meets its own row of the products.
+__attribute__((target("avx512f,avx512bf16"))) static void round_queries(const float* const* q, int64_t count,
+                                                                       int64_t D, TileScratch& s) {
+  grow(s.queries, 16 * D);
   for (int64_t v = 0; v < count; ++v)
     for (int64_t d = 0; d < D; d += 16)
       _mm256_storeu_si256(reinterpret_cast<__m256i*>(&s.queries[v * D + d]),
                           (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(q[v] + d)));
+}
+
+// Up to 16 query vectors (vector v: query q[v], length lengths[v]) over the packed keys and values.
+static void attend_tile_amx(const float* const* q, float* const* out, const int64_t* lengths, int64_t count,
+                            int64_t D, int64_t padded, float scale, TileScratch& s) {
+  round_queries(q, count, D, s);
   scores_amx(D, padded, s);
   float inverse_sum[16];
   softmax_numerators(lengths, count, padded, scale, s, inverse_sum);
   weigh_values_amx(out, count, D, padded, inverse_sum, s);
 }
 
-// One task on amx: its rows' query vectors (row-major over (row, head of the group)) in tiles of 16.
-static void attend_task_amx(const float* q, int64_t q_stride, float* out, int64_t width, int64_t first, int64_t last,
-                            int64_t kv, int64_t group, const int64_t* slots, const int64_t* positions,
-                            const CacheView& cache, float scale, AmxScratch& s) {
+// avx512bf16: R query vectors x NB 16-key blocks of scores, one accumulator each. Per dim pair: NB rows of the
+// packed K^T and R broadcast query pairs (the 6 x 4 shape of the bf16 linear's tile).
+template <int R, int NB>
+__attribute__((target("avx512f,avx512bf16"))) static void scores_tile_bf16(const uint16_t* queries, int64_t D,
+                                                                          const uint32_t* keys, float* scores,
+                                                                          int64_t padded) {
+  __m512 acc[R][NB];
+  for (int r = 0; r < R; ++r)
+    for (int b = 0; b < NB; ++b) acc[r][b] = _mm512_setzero_ps();
+  for (int64_t p = 0; p < D / 2; ++p) {
+    __m512bh k[NB];
+    for (int b = 0; b < NB; ++b) k[b] = (__m512bh)_mm512_loadu_si512(keys + b * 8 * D + p * 16);
+    for (int r = 0; r < R; ++r) {
+      uint32_t pair;
+      std::memcpy(&pair, queries + r * D + 2 * p, 4);
+      const __m512bh qp = (__m512bh)_mm512_set1_epi32(int32_t(pair));
+      for (int b = 0; b < NB; ++b) acc[r][b] = _mm512_dpbf16_ps(acc[r][b], qp, k[b]);
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int b = 0; b < NB; ++b) _mm512_storeu_ps(scores + r * padded + 16 * b, acc[r][b]);
+}
+
+// avx512bf16: R vectors' weighted values in NDB 16-dim blocks from d0, over key pairs [0, pairs) in order, each
+// scaled by its vector's inverse sum into out[v]. Per key pair: NDB rows of the packed V, R broadcast weight pairs.
+template <int R, int NDB>
+__attribute__((target("avx512f,avx512bf16"))) static void weigh_tile_bf16(const uint16_t* weights, int64_t padded,
+                                                                         int64_t pairs, const uint16_t* values,
+                                                                         int64_t dblocks, int64_t d0,
+                                                                         const float* inverse_sum,
+                                                                         float* const* out) {
+  __m512 acc[R][NDB];
+  for (int r = 0; r < R; ++r)
+    for (int b = 0; b < NDB; ++b) acc[r][b] = _mm512_setzero_ps();
+  for (int64_t first = 0; first < pairs; first += 16) {  // the key pairs of one 32-key block
+    const uint16_t* block = values + (first / 16) * dblocks * 512 + d0 * 512;
+    for (int64_t jp = first; jp < std::min(pairs, first + 16); ++jp) {
+      __m512bh v[NDB];
+      for (int b = 0; b < NDB; ++b) v[b] = (__m512bh)_mm512_loadu_si512(block + b * 512 + (jp - first) * 32);
+      for (int r = 0; r < R; ++r) {
+        uint32_t pair;
+        std::memcpy(&pair, weights + r * padded + 2 * jp, 4);
+        const __m512bh wp = (__m512bh)_mm512_set1_epi32(int32_t(pair));
+        for (int b = 0; b < NDB; ++b) acc[r][b] = _mm512_dpbf16_ps(acc[r][b], wp, v[b]);
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int b = 0; b < NDB; ++b)
+      _mm512_storeu_ps(out[r] + (d0 + b) * 16, _mm512_mul_ps(acc[r][b], _mm512_set1_ps(inverse_sum[r])));
+}
+
+// The tile functions for the last, shorter group of vectors: R = 1..6 chosen at run time.
+template <int NB>
+static void scores_rows_bf16(int64_t rows, const uint16_t* queries, int64_t D, const uint32_t* keys, float* scores,
+                             int64_t padded) {
+  switch (rows) {
+    case 6: return scores_tile_bf16<6, NB>(queries, D, keys, scores, padded);
+    case 5: return scores_tile_bf16<5, NB>(queries, D, keys, scores, padded);
+    case 4: return scores_tile_bf16<4, NB>(queries, D, keys, scores, padded);
+    case 3: return scores_tile_bf16<3, NB>(queries, D, keys, scores, padded);
+    case 2: return scores_tile_bf16<2, NB>(queries, D, keys, scores, padded);
+    default: return scores_tile_bf16<1, NB>(queries, D, keys, scores, padded);
+  }
+}
+
+template <int NDB>
+static void weigh_rows_bf16(int64_t rows, const uint16_t* weights, int64_t padded, int64_t pairs,
+                            const uint16_t* values, int64_t dblocks, int64_t d0, const float* inverse_sum,
+                            float* const* out) {
+  switch (rows) {
+    case 6: return weigh_tile_bf16<6, NDB>(weights, padded, pairs, values, dblocks, d0, inverse_sum, out);
+    case 5: return weigh_tile_bf16<5, NDB>(weights, padded, pairs, values, dblocks, d0, inverse_sum, out);
+    case 4: return weigh_tile_bf16<4, NDB>(weights, padded, pairs, values, dblocks, d0, inverse_sum, out);
+    case 3: return weigh_tile_bf16<3, NDB>(weights, padded, pairs, values, dblocks, d0, inverse_sum, out);
+    case 2: return weigh_tile_bf16<2, NDB>(weights, padded, pairs, values, dblocks, d0, inverse_sum, out);
+    default: return weigh_tile_bf16<1, NDB>(weights, padded, pairs, values, dblocks, d0, inverse_sum, out);
+  }
+}
+
+// Up to 16 query vectors over the packed keys and values by vdpbf16ps. Only the keys up to the vectors' own
+// longest length (in 32-key blocks) are computed: a prompt chunk's early rows skip the later rows' keys, and
+// the skipped products would weigh exactly 0.
+static void attend_tile_bf16(const float* const* q, float* const* out, const int64_t* lengths, int64_t count,
+                             int64_t D, int64_t padded, float scale, TileScratch& s) {
+  round_queries(q, count, D, s);
+  const int64_t longest = *std::max_element(lengths, lengths + count), keys = (longest + 31) / 32 * 32;
+  grow(s.scores, 16 * padded);
+  for (int64_t v = 0; v < count; v += 6) {
+    const int64_t rows = std::min<int64_t>(6, count - v);
+    const uint16_t* queries = s.queries.data() + v * D;
+    float* scores = s.scores.data() + v * padded;
+    int64_t block = 0;
+    for (; block + 64 <= keys; block += 64)
+      scores_rows_bf16<4>(rows, queries, D, s.keys.data() + block * D / 2, scores + block, padded);
+    if (block < keys) scores_rows_bf16<2>(rows, queries, D, s.keys.data() + block * D / 2, scores + block, padded);
+  }
+  float inverse_sum[16];
+  softmax_numerators(lengths, count, padded, scale, s, inverse_sum);
+  const int64_t dblocks = D / 16;
+  for (int64_t v = 0; v < count; v += 6) {
+    const int64_t rows = std::min<int64_t>(6, count - v);
+    const uint16_t* weights = s.weights.data() + v * padded;
+    for (int64_t d0 = 0; d0 < dblocks; d0 += 4) {
+      if (dblocks - d0 >= 4)
+        weigh_rows_bf16<4>(rows, weights, padded, keys / 2, s.values.data(), dblocks, d0, inverse_sum + v, out + v);
+      else
+        weigh_rows_bf16<2>(rows, weights, padded, keys / 2, s.values.data(), dblocks, d0, inverse_sum + v, out + v);
+    }
+  }
+}
+
+// One task on amx or avx512bf16: its rows' query vectors (row-major over (row, head of the group)) in tiles of 16.
+static void attend_task_tiles(bool amx, const float* q, int64_t q_stride, float* out, int64_t width, int64_t first,
+                              int64_t last, int64_t kv, int64_t group, const int64_t* slots, const int64_t* positions,
+                              const CacheView& cache, float scale, TileScratch& s) {
   const int64_t D = cache.head_dim;
   int64_t longest = 0;
   for (int64_t r = first; r < last; ++r) longest = std::max(longest, positions[r] + 1);
@@ -371,7 +497,7 @@ static void attend_task_amx(const float* q, int64_t q_stride, float* out, int64_
   float* outputs[16];
   int64_t lengths[16], count = 0;
   auto flush = [&] {
-    if (count) attend_tile_amx(queries, outputs, lengths, count, D, padded, scale, s);
+    if (count) (amx ? attend_tile_amx : attend_tile_bf16)(queries, outputs, lengths, count, D, padded, scale, s);
     count = 0;
   };
   for (int64_t r = first; r < last; ++r)
@@ -797,9 +923,9 @@ __attribute__((target_clones("avx2", "default"), flatten)) static void attend_gr
     }
 }
 
-static bool use_amx(Isa isa, int64_t head_dim) {  // the softmax side rounds with vcvtneps2bf16 (AVX512-BF16)
+static bool use_tiles(Isa isa, int64_t head_dim) {  // the softmax side rounds with vcvtneps2bf16 (AVX512-BF16)
   static const bool bf16 = cpu_has(Isa::avx512bf16);
-  return isa == Isa::amx && bf16 && (head_dim == 32 || head_dim == 64 || head_dim == 128);
+  return (isa == Isa::amx || isa == Isa::avx512bf16) && bf16 && (head_dim == 32 || head_dim == 64 || head_dim == 128);
 }
 
 static bool use_avx512(Isa isa, int64_t head_dim, int64_t group) {
@@ -864,22 +990,22 @@ static std::vector<std::vector<int64_t>> deal_tasks(const std::vector<AttentionT
 void decode_attention(Isa isa, const float* q, int64_t q_stride, float* out, int64_t rows, int64_t heads,
                       const int64_t* slots, const int64_t* positions, const CacheView& cache, float scale) {
   const int64_t group = heads / cache.kv_heads, dim = cache.head_dim, width = heads * dim;
-  const bool tiles = use_amx(isa, dim), wide = use_avx512(isa, dim, group);
+  const bool tiles = use_tiles(isa, dim), amx = tiles && isa == Isa::amx, wide = use_avx512(isa, dim, group);
   const bool avx2 = !wide && use_avx2(isa, dim, group);
-  // amx packs a task's keys and values once for all its rows: split a request's rows only when there are many
+  // tiles pack a task's keys and values once for all its rows: split a request's rows only when there are many
   const std::vector<AttentionTask> tasks = plan_tasks(rows, slots, cache.kv_heads, tiles ? 64 : 1);
   const std::vector<std::vector<int64_t>> lists = deal_tasks(tasks, positions, at::get_num_threads());
   at::parallel_for(0, int64_t(lists.size()), 1, [&](int64_t begin, int64_t end) {
     std::vector<float> scores;
-    AmxScratch scratch;
+    static thread_local TileScratch scratch;
     Avx2Scratch avx2_scratch;
-    if (tiles) configure_bf16_tiles();
+    if (amx) configure_bf16_tiles();
     for (int64_t w = begin; w < end; ++w)
     for (const int64_t t : lists[w]) {
       const int64_t kv = tasks[t].kv, head0 = kv * group * dim;
       if (tiles) {
-        attend_task_amx(q, q_stride, out, width, tasks[t].first, tasks[t].last, kv, group, slots, positions, cache,
-                        scale, scratch);
+        attend_task_tiles(amx, q, q_stride, out, width, tasks[t].first, tasks[t].last, kv, group, slots, positions,
+                          cache, scale, scratch);
         continue;
       }
       if (avx2) {

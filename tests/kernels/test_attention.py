@@ -12,8 +12,9 @@ from tests.conftest import KERNEL_PATHS
 
 pytestmark = pytest.mark.skipif(not KERNEL_PATHS, reason="the kernels do not build on this machine")
 
-# (heads, kv_heads, head_dim): SmolLM2 (group 3) and Qwen2.5-0.5B (group 7) widths, a 16-wide tiny twin, 128
-SHAPES = [(9, 3, 64), (14, 2, 64), (4, 2, 16), (4, 1, 128)]
+# (heads, kv_heads, head_dim): SmolLM2 (group 3) and Qwen2.5-0.5B (group 7) widths, a 16-wide tiny twin, 32 (one
+# 32-dim half in the tiles' scores, two 16-dim blocks in their values), 128
+SHAPES = [(9, 3, 64), (14, 2, 64), (4, 2, 16), (4, 2, 32), (4, 1, 128)]
 CAPACITY = 300
 
 

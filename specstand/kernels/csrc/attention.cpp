@@ -149,7 +149,9 @@ __attribute__((target("avx512f"))) static void attend_group16(const float* q, fl
 
 // One task's operands in tile layouts, rebuilt per task (a request's keys are read once for all its rows).
 // Each thread keeps its own between passes: allocated afresh, a long cache's packed keys and values faulted in
-// their pages on every pass (a decoding row's attention at 2000 positions 20% slower than the fp32 loop).
+// their pages on every pass (a decoding row's attention at 2000 positions 20% slower than the fp32 loop). It
+// keeps the size of the longest task its thread has met: about 4 x head_dim bytes a position (16 MiB a thread
+// at 32k positions and head_dim 128).
 struct TileScratch {
   AlignedVector<uint32_t> keys;    // K^T: [16-key block][head_dim / 32][16 dim pairs][16 keys], bf16 pairs
   AlignedVector<uint16_t> values;  // V: [32-key block][head_dim / 16][16 key pairs][16 dims][2 keys]

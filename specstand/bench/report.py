@@ -44,6 +44,9 @@ class RunResult:
 
 # where a server's engine thread spent a run (specstand:engine_seconds by phase), in the order they are drawn
 PHASES = ("prompt", "decode", "draft", "other", "idle")
+# below this many repeats a [min-max] spread has missed host drift between server processes: on 2-core
+# hosts, 2-repeat differences of x0.78-0.92 read x1.00 with 4-5 repeats (benchmarks/results/stand/README.md)
+CALLING_REPEATS = 4
 
 
 def time_breakdown(m: dict[str, float]) -> dict:
@@ -388,8 +391,8 @@ def write_report(out_dir: Path, config: dict, runs: list[RunResult], turns: list
           f"{config.get('repeats')} repeats (runs interleaved). Times are medians over repeats with "
           f"[min–max]; ≈ marks a difference inside the spread. Run seconds by phase are the engine thread's "
           f"(specstand servers): prompt and decode/verify passes, drafting, other engine work, idle.\n"
-          f"{_machine_line(config.get('machine'))}{_reset_line(config)}{_stagger_line(config)}"
-          f"{state}{status}\n{tables}")
+          f"{_repeats_line(config)}{_machine_line(config.get('machine'))}{_reset_line(config)}"
+          f"{_stagger_line(config)}{state}{status}\n{tables}")
     write_text_atomic(out_dir / "report.md", md)
     for index, (warm, summary) in enumerate(summaries.items()):
         if any(r.warm == warm for r in runs):
@@ -406,6 +409,16 @@ def _reset_line(config: dict) -> str:
     line = "\nEach run started with the server's prompt cache and drafter memory reset"
     line += f" ({', '.join(restarted)}: the server restarted, having no /reset_prefix_cache route)" if restarted else ""
     return line + (f", except on {', '.join(kept)} (no /reset_prefix_cache route).\n" if kept else ".\n")
+
+
+def _repeats_line(config: dict) -> str:
+    """A caution where the spread comes from too few runs to bound a difference."""
+    repeats = config.get("repeats") or 0
+    if repeats >= CALLING_REPEATS:
+        return ""
+    return (f"\nWith {repeats} repeat{'s' if repeats != 1 else ''} the [min–max] spread may understate how far runs "
+            f"of one target differ (separate server processes doing the same work have differed by more); rerun a "
+            f"difference without ≈ with --repeats {CALLING_REPEATS} or more before calling it.\n")
 
 
 def _stagger_line(config: dict) -> str:

@@ -54,6 +54,7 @@ def test_table_marks_differences_inside_the_spread(tmp_path):
     write_report(tmp_path, config, runs, workload, ["none", "fast", "same"], [1], "none", {}, complete=True)
     assert ("Machine: Some CPU, 2 cpus; flags avx2 fma; kernel path of specstand's targets here: avx2; read bandwidth "
             "31.2 GB/s at the start, 29.8 at the end.") in (tmp_path / "report.md").read_text()
+    assert "With 2 repeats the [min–max] spread may understate" in (tmp_path / "report.md").read_text()
     raw = json.loads((tmp_path / "report.json").read_text())
     assert raw["complete"] and len(raw["runs"]) == 6
     assert RunResult.from_dict(raw["runs"][2]).turns[0].calls[0].text == '{"a": 1}'
@@ -64,6 +65,9 @@ def test_table_marks_differences_inside_the_spread(tmp_path):
     write_report(tmp_path / "two", {"workload": "w", "repeats": 1}, two, workload, ["none", "fast"], [1, 4], "none",
                  {}, complete=True)
     assert (tmp_path / "two" / "turn_p50_vs_users.png").stat().st_size > 0
+    write_report(tmp_path / "four", {"workload": "w", "repeats": 4}, runs, workload, ["none", "fast"], [1], "none", {},
+                 complete=True)
+    assert "may understate" not in (tmp_path / "four" / "report.md").read_text()  # enough repeats: no caution
 
 
 def test_predicted_speedup_from_acceptance_and_profiled_costs():

@@ -426,34 +426,6 @@ __attribute__((target("avx512f,avx512bf16"))) static void weigh_tile_bf16(const 
       _mm512_storeu_ps(out[r] + (d0 + b) * 16, _mm512_mul_ps(acc[r][b], _mm512_set1_ps(inverse_sum[r])));
 }
 
-// The tile functions for the last, shorter group of vectors: R = 1..6 chosen at run time.
-template <int NB>
-static void scores_rows_bf16(int64_t rows, const uint16_t* queries, int64_t D, const uint32_t* keys, float* scores,
-                             int64_t padded) {
-  switch (rows) {
-    case 6: return scores_tile_bf16<6, NB>(queries, D, keys, scores, padded);
-    case 5: return scores_tile_bf16<5, NB>(queries, D, keys, scores, padded);
-    case 4: return scores_tile_bf16<4, NB>(queries, D, keys, scores, padded);
-    case 3: return scores_tile_bf16<3, NB>(queries, D, keys, scores, padded);
-    case 2: return scores_tile_bf16<2, NB>(queries, D, keys, scores, padded);
-    default: return scores_tile_bf16<1, NB>(queries, D, keys, scores, padded);
-  }
-}
-
-template <int NDB>
-static void weigh_rows_bf16(int64_t rows, const uint16_t* weights, int64_t padded, int64_t pairs,
-                            const uint16_t* values, int64_t dblocks, int64_t d0, const float* inverse_sum,
-                            float* const* out) {
-  switch (rows) {
-    case 6: return weigh_tile_bf16<6, NDB>(weights, padded, pairs, values, dblocks, d0, inverse_sum, out);
-    case 5: return weigh_tile_bf16<5, NDB>(weights, padded, pairs, values, dblocks, d0, inverse_sum, out);
-    case 4: return weigh_tile_bf16<4, NDB>(weights, padded, pairs, values, dblocks, d0, inverse_sum, out);
-    case 3: return weigh_tile_bf16<3, NDB>(weights, padded, pairs, values, dblocks, d0, inverse_sum, out);
-    case 2: return weigh_tile_bf16<2, NDB>(weights, padded, pairs, values, dblocks, d0, inverse_sum, out);
-    default: return weigh_tile_bf16<1, NDB>(weights, padded, pairs, values, dblocks, d0, inverse_sum, out);
-  }
-}
-
 // Up to 16 query vectors over the packed keys and values by vdpbf16ps. Only the keys up to the vectors' own
 // longest length (in 32-key blocks) are computed: a prompt chunk's early rows skip the later rows' keys, and
 // the skipped products would weigh exactly 0.
@@ -462,28 +434,28 @@ static void attend_tile_bf16(const float* const* q, float* const* out, const int
   round_queries(q, count, D, s);
   const int64_t longest = *std::max_element(lengths, lengths + count), keys = (longest + 31) / 32 * 32;
   grow(s.scores, 16 * padded);
-  for (int64_t v = 0; v < count; v += 6) {
-    const int64_t rows = std::min<int64_t>(6, count - v);
+  run_rows<6>(count, [&](int64_t v, auto rows) {  // vectors in tiles of 6, the rest in one smaller tile
+    constexpr int R = decltype(rows)::value;
     const uint16_t* queries = s.queries.data() + v * D;
     float* scores = s.scores.data() + v * padded;
     int64_t block = 0;
     for (; block + 64 <= keys; block += 64)
-      scores_rows_bf16<4>(rows, queries, D, s.keys.data() + block * D / 2, scores + block, padded);
-    if (block < keys) scores_rows_bf16<2>(rows, queries, D, s.keys.data() + block * D / 2, scores + block, padded);
-  }
+      scores_tile_bf16<R, 4>(queries, D, s.keys.data() + block * D / 2, scores + block, padded);
+    if (block < keys) scores_tile_bf16<R, 2>(queries, D, s.keys.data() + block * D / 2, scores + block, padded);
+  });
   float inverse_sum[16];
   softmax_numerators(lengths, count, padded, scale, s, inverse_sum);
   const int64_t dblocks = D / 16;
-  for (int64_t v = 0; v < count; v += 6) {
-    const int64_t rows = std::min<int64_t>(6, count - v);
+  run_rows<6>(count, [&](int64_t v, auto rows) {
+    constexpr int R = decltype(rows)::value;
     const uint16_t* weights = s.weights.data() + v * padded;
     for (int64_t d0 = 0; d0 < dblocks; d0 += 4) {
       if (dblocks - d0 >= 4)
-        weigh_rows_bf16<4>(rows, weights, padded, keys / 2, s.values.data(), dblocks, d0, inverse_sum + v, out + v);
+        weigh_tile_bf16<R, 4>(weights, padded, keys / 2, s.values.data(), dblocks, d0, inverse_sum + v, out + v);
       else
-        weigh_rows_bf16<2>(rows, weights, padded, keys / 2, s.values.data(), dblocks, d0, inverse_sum + v, out + v);
+        weigh_tile_bf16<R, 2>(weights, padded, keys / 2, s.values.data(), dblocks, d0, inverse_sum + v, out + v);
     }
-  }
+  });
 }
 
 // One task on amx or avx512bf16: its rows' query vectors (row-major over (row, head of the group)) in tiles of 16.

@@ -124,6 +124,13 @@ def save_tiny_model(folder: Path, family: str = "llama", chat_template: bool = T
     return folder
 
 
+@pytest.fixture(autouse=True)
+def profile_without_waiting(monkeypatch: pytest.MonkeyPatch) -> None:
+    """An engine built in a test takes its pass profile once, whatever else loads the machine: whether a test
+    waits must not depend on its neighbours (tests/engine/test_quiet_profile.py tests the waiting)."""
+    monkeypatch.setattr("specstand.engine.quiet_profile.QUIET_WAIT_S", 0.0)
+
+
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return save_tiny_model(tmp_path_factory.mktemp("tiny-llama"))

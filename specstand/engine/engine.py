@@ -20,6 +20,7 @@ import torch
 from specstand.drafters import Draft, Drafter, HiddenRows, SequenceView
 from specstand.engine.adaptive import AdaptiveVerifier, PassCost, profile_pass_cost
 from specstand.engine.prefix_cache import PrefixCache, common_prefix
+from specstand.engine.quiet_profile import profile_when_quiet
 from specstand.engine.request import GenerationResult, Request, StepEvent
 from specstand.engine.running import Running, Work
 from specstand.engine.stats import DecodeStats, EngineTimes
@@ -296,7 +297,8 @@ class Engine:
         return estimated if estimated is not None else self._profile_pass_cost(self.width)
 
     def _profile_pass_cost(self, max_rows: int | None = None) -> PassCost:
-        """Time target passes of 1 .. max_batch * (K + 1) rows in a scratch slot (before any request)."""
+        """Time target passes of 1 .. max_batch * (K + 1) rows in a scratch slot (before any request), while
+        no other process keeps this one's CPUs busy (quiet_profile.py)."""
         max_rows = max_rows or self.config.max_batch * self.width
         slot = self.runner.cache.allocate()
 
@@ -305,8 +307,9 @@ class Engine:
             self.runner.run([PassInput(slot, [0] * rows)], -(-rows // self.row_unit) * self.row_unit)
 
         try:
-            max_rows = min(max_rows, self.runner.capacity // 2)
-            return profile_pass_cost(run_pass, max_rows, min(1024, self.runner.capacity // 2))
+            max_rows, context = min(max_rows, self.runner.capacity // 2), min(1024, self.runner.capacity // 2)
+            # servers started together profile while their neighbours load: such a profile is taken again
+            return profile_when_quiet(lambda: profile_pass_cost(run_pass, max_rows, context))
         finally:
             self.runner.cache.release(slot)
 

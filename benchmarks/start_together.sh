@@ -1,0 +1,56 @@
+#!/usr/bin/env bash
+# Servers started together against the same servers started one at a time, in one bench. A server profiles
+# its passes at start; started beside others that load the CPU, its profile is taken on a busy machine, and
+# adaptive verification must correct it from the passes it runs (docs/adaptive_verification.md). Each server's
+# profiled and corrected pass costs are read from /metrics after start and after the bench.
+#   bash benchmarks/start_together.sh OUT_DIR
+# MODEL, METHODS (comma-separated), DTYPE, USERS, REPEATS and WORKLOAD override the defaults.
+set -euo pipefail
+ROOT="$(cd "$(dirname "$0")/.." && pwd)"
+SPEC="$ROOT/.venv/bin/specstand"
+OUT="${1:?usage: start_together.sh OUT_DIR}"
+MODEL="${MODEL:-smollm2-135m}"
+METHODS="${METHODS:-none,ngram,suffix}"
+DTYPE="${DTYPE:-q8_0}"  # pinned: dtype auto also measures at start, and would mix two effects
+WORKLOAD="${WORKLOAD:-$ROOT/out/demo/workload.jsonl}"
+mkdir -p "$OUT"
+IFS=, read -r -a methods <<< "$METHODS"
+pids=()
+trap 'kill "${pids[@]}" 2>/dev/null || true' EXIT
+
+serve() {  # serve GROUP METHOD PORT: one server in the background, its log in OUT
+  "$SPEC" serve --model "$MODEL" --method "$2" --dtype "$DTYPE" --max-seq-len 4096 --max-batch 4 --port "$3" \
+    > "$OUT/serve-$1-$2.log" 2>&1 &
+  pids+=($!)
+}
+wait_ready() {  # wait_ready PORT
+  until curl -sf "http://127.0.0.1:$1/health" > /dev/null; do sleep 1; done
+}
+pass_costs() {  # pass_costs PORT: the profiled and corrected pass seconds on /metrics
+  curl -sf "http://127.0.0.1:$1/metrics" | grep -E '^specstand:pass_seconds_(profiled|estimated)' || true
+}
+
+endpoints=()
+port=8300
+for m in "${methods[@]}"; do serve together "$m" $((port += 1)); done  # all at once
+for ((p = 8301; p <= port; p++)); do wait_ready $p; done
+for m in "${methods[@]}"; do
+  serve alone "$m" $((port += 1)); wait_ready $port  # the next starts once this one is serving
+done
+port=8300
+for group in together alone; do
+  for m in "${methods[@]}"; do
+    port=$((port + 1))
+    endpoints+=(--endpoint "$group-$m=http://127.0.0.1:$port")
+    { echo "# $group-$m after start"; pass_costs $port; } >> "$OUT/pass_costs.txt"
+  done
+done
+"$SPEC" bench --workload "$WORKLOAD" --model "$MODEL" "${endpoints[@]}" --baseline alone-none \
+  --users "${USERS:-1,4}" --repeats "${REPEATS:-3}" --warm system --out "$OUT"
+port=8300
+for group in together alone; do
+  for m in "${methods[@]}"; do
+    port=$((port + 1))
+    { echo "# $group-$m after the bench"; pass_costs $port; } >> "$OUT/pass_costs.txt"
+  done
+done

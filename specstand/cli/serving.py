@@ -184,13 +184,14 @@ def cmd_serve(args: argparse.Namespace) -> None:
                           tool_call_parser=parser, api_key=args.api_key,
                           prefix_store_bytes=store)
     app, worker = build_server(lambda: load_model(args.model, args.dtype, args.max_seq_len, log=log), config)
-    adaptive = ", adaptive verification" if args.adaptive else ", fixed K"
+    drafting = (f"K={worker.engine.config.num_speculative_tokens}, "
+                + ("adaptive verification" if args.adaptive else "fixed K")) if args.method != "none" else "no drafts"
     if not worker.engine.exact:
         log(f"{args.model}: not exact here (pass shapes round differently): drafts may change greedy answers")
     tools = f", tool calls read as {parser}" if parser else ""
     key = ", API key required" if args.api_key else ""
-    log(f"serving {args.model} with method {args.method} (K={worker.engine.config.num_speculative_tokens}"
-        f"{adaptive}{tools}{key}{_store_words(worker.engine)}) on http://{args.host}:{args.port}")
+    log(f"serving {args.model} with method {args.method} ({drafting}{tools}{key}{_store_words(worker.engine)}) "
+        f"on http://{args.host}:{args.port}")
     # What start-up built (torch, the model, the server) lives as long as the process: kept out of the cyclic
     # collector's full collections, which scanned it all on the engine thread (0.1-0.2 s pauses, several a
     # minute, measured at 4 users on SmolLM2)

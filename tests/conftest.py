@@ -28,6 +28,7 @@ from transformers import (
 from specstand import kernels
 from specstand.drafters import REGISTRY
 from specstand.engine.adaptive import PassCost
+from specstand.engine.quiet_profile import WAIT_ENV
 from specstand.models import load_model
 from specstand.runner.compiled import attach_compiled
 from specstand.runner.hybrid import HybridModel
@@ -127,8 +128,9 @@ def save_tiny_model(folder: Path, family: str = "llama", chat_template: bool = T
 @pytest.fixture(autouse=True)
 def profile_without_waiting(monkeypatch: pytest.MonkeyPatch) -> None:
     """An engine built in a test takes its pass profile once, whatever else loads the machine: whether a test
-    waits must not depend on its neighbours (tests/engine/test_quiet_profile.py tests the waiting)."""
-    monkeypatch.setattr("specstand.engine.quiet_profile.QUIET_WAIT_S", 0.0)
+    waits must not depend on its neighbours (tests/engine/test_quiet_profile.py tests the waiting). Set in the
+    environment, so that servers a test starts in processes of their own do not wait either."""
+    monkeypatch.setenv(WAIT_ENV, "0")
 
 
 @pytest.fixture(scope="session")

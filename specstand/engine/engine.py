@@ -309,7 +309,7 @@ class Engine:
         try:
             max_rows, context = min(max_rows, self.runner.capacity // 2), min(1024, self.runner.capacity // 2)
             # servers started together profile while their neighbours load: such a profile is taken again
-            return profile_when_quiet(lambda: profile_pass_cost(run_pass, max_rows, context))
+            return profile_when_quiet(lambda: profile_pass_cost(run_pass, max_rows, context), torch.get_num_threads())
         finally:
             self.runner.cache.release(slot)
 

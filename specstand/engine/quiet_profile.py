@@ -1,16 +1,17 @@
-"""A pass profile taken while no other process uses this process's CPUs.
+"""A pass profile taken while no other process competes for this process's CPUs.
 
 Adaptive verification prices passes from a profile timed at start. Servers started together profile while
 their neighbours load models and profile too: on two AVX2 cores three SmolLM2 servers started at once timed a
-plain step at 22 ms against 6 ms alone, and a 6-row verify at 3.2 plain steps against 2.1; one of them then
-drafted in 15% of its passes against 35% (benchmarks/results/stand/README.md). The running corrections learn
-the shape only from passes of more rows, which a verify priced too high rarely gets to run. So the profile is
-taken again, after a pause, while other processes keep the CPUs busy: the CPUs' busy time (Linux's
-/proc/stat, every CPU this process may run on) less this process's own says how much of the window others had.
+plain step at 22 ms against 5-7 ms alone, and a 6-row verify at 3.2 plain steps against 1.8-2.4; one of them
+then drafted in half as many passes as its twin (benchmarks/results/stand/README.md). The running corrections
+learn the shape only from passes of more rows, which a verify priced too high rarely gets to run. So the
+profile is taken again, after a pause, while other processes competed for the CPUs during it: the busy time of
+the CPUs this process may run on (Linux's /proc/stat) less its own, beyond the CPUs its threads leave spare.
 """
 
 from __future__ import annotations
 
+import itertools
 import logging
 import os
 import random
@@ -22,73 +23,92 @@ from typing import TypeVar
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
 
-# others' CPU seconds per second of the profile's wall time above which the profile is taken again: a quarter
-# of a core (a server's HTTP loop, a client polling it, take a few percent); and at least 5 clock ticks, so that
-# a profile of a few ticks is not retaken for one tick of a daemon
-BUSY_SHARE = 0.25
+# Others' CPUs beyond the spare ones, per thread of this process, above which the profile is taken again: on
+# two threads a quarter of a core, about what slows each thread by an eighth (a server's HTTP loop, a client
+# polling it, take a few percent). And at least 5 clock ticks of others, so that a profile of a few ticks is
+# not taken again for one tick of a daemon.
+BUSY_PER_THREAD = 0.125
 BUSY_MIN_S = 0.05
-QUIET_WAIT_S = 30.0  # how long start-up waits for a quiet window before it keeps the quietest profile
+QUIET_WAIT_S = 30.0  # start-up's limit, profiles and pauses together, before it keeps the quietest profile
+WAIT_ENV = "SPECSTAND_QUIET_WAIT_S"  # overrides it (tests set 0: whether a test waits must not depend on the host)
 PAUSES_S = (0.5, 1.0, 2.0, 4.0)  # between tries, each scaled by a random 0.5-1.5 so servers fall out of step
 
 
 @dataclass(frozen=True)
 class CpuTimes:
-    """CPU seconds so far: `busy` of the CPUs this process may run on, by any process; `own`: this one's."""
+    """CPU seconds so far: `busy_s` of each CPU this process may run on, by any process; `own_s`: this one's
+    (every thread, not its children: they compete like any other process)."""
 
-    busy: float
-    own: float
+    busy_s: dict[str, float]
+    own_s: float
 
 
 def cpu_times(stat_path: str = "/proc/stat") -> CpuTimes | None:
-    """None where /proc/stat cannot be read (not Linux): the profile is then taken once, as it was."""
+    """None where /proc/stat cannot be read or names none of this process's CPUs (a container that numbers
+    them its own way): the profile is then taken once, as before there was a check."""
     try:
         with open(stat_path) as f:
             lines = f.read().splitlines()
-    except OSError:
+        allowed = {f"cpu{n}" for n in os.sched_getaffinity(0)}
+        tick = os.sysconf("SC_CLK_TCK")
+        busy = {}
+        for line in lines:
+            name, *fields = line.split() or [""]
+            if name in allowed:
+                user, nice, system, _idle, _iowait, irq, softirq, steal = (int(x) for x in fields[:8])
+                busy[name] = (user + nice + system + irq + softirq + steal) / tick  # user includes guest
+    except (OSError, ValueError, AttributeError):  # AttributeError: no sched_getaffinity off Linux
         return None
-    allowed = {f"cpu{n}" for n in os.sched_getaffinity(0)} if hasattr(os, "sched_getaffinity") else None
-    ticks = 0
-    for line in lines:
-        name, *fields = line.split()
-        if not name.startswith("cpu") or name == "cpu" or (allowed is not None and name not in allowed):
-            continue
-        user, nice, system, _idle, _iowait, irq, softirq, steal = (int(x) for x in fields[:8])
-        ticks += user + nice + system + irq + softirq + steal  # steal: a hypervisor ran someone else
+    if not busy:
+        logger.debug("/proc/stat lists none of this process's CPUs: the pass profile is taken once")
+        return None
     own = os.times()
-    return CpuTimes(ticks / os.sysconf("SC_CLK_TCK"), own.user + own.system)
+    return CpuTimes(busy, own.user + own.system)
 
 
-def others_share(before: CpuTimes, after: CpuTimes, wall_s: float) -> float:
-    """Other processes' CPU seconds per wall second between two readings (0 below BUSY_MIN_S of them)."""
-    others = (after.busy - before.busy) - (after.own - before.own)
+def others_cpus(before: CpuTimes, after: CpuTimes, wall_s: float) -> float:
+    """Other processes' CPUs on average between two readings (0 below BUSY_MIN_S of CPU seconds); CPUs missing
+    from either reading (taken offline, or out of the affinity since) are left out."""
+    shared = before.busy_s.keys() & after.busy_s.keys()
+    busy = sum(after.busy_s[cpu] - before.busy_s[cpu] for cpu in shared)
+    others = busy - (after.own_s - before.own_s)
     return others / max(wall_s, 1e-9) if others >= BUSY_MIN_S else 0.0
 
 
-def profile_when_quiet(profile: Callable[[], T], load: Callable[[], CpuTimes | None] = cpu_times,
-                       sleep: Callable[[float], None] = time.sleep, wait_s: float | None = None,
-                       rng: random.Random | None = None) -> T:
-    """`profile()`, taken again after a pause while others' share of the CPUs during it was above BUSY_SHARE,
-    for up to `wait_s` seconds of pauses (default QUIET_WAIT_S); then the quietest one taken, with a warning."""
-    wait_s = QUIET_WAIT_S if wait_s is None else wait_s
+def contention(before: CpuTimes, after: CpuTimes, wall_s: float, threads: int) -> float:
+    """Others' CPUs beyond those this process's `threads` leave spare, per thread: the share of its threads'
+    time they could have taken."""
+    spare = max(0, len(before.busy_s.keys() & after.busy_s.keys()) - threads)
+    return max(0.0, others_cpus(before, after, wall_s) - spare) / max(threads, 1)
+
+
+def quiet_wait_s() -> float:
+    return float(os.environ.get(WAIT_ENV, QUIET_WAIT_S))
+
+
+def profile_when_quiet(profile: Callable[[], T], threads: int, load: Callable[[], CpuTimes | None] = cpu_times,
+                       sleep: Callable[[float], None] = time.sleep, clock: Callable[[], float] = time.monotonic,
+                       wait_s: float | None = None, rng: random.Random | None = None) -> T:
+    """`profile()`, taken again after a pause while others' contention during it was above BUSY_PER_THREAD, for
+    up to `wait_s` seconds in all (default: quiet_wait_s()); then the quietest one taken, with a warning."""
+    deadline = clock() + (quiet_wait_s() if wait_s is None else wait_s)
     rng = rng or random.Random()
-    best: tuple[float, T] | None = None
-    waited, tries = 0.0, 0
-    while True:
-        before, started = load(), time.perf_counter()
+    quietest: tuple[float, T] | None = None  # (contention, profile)
+    for tries in itertools.count():
+        before, started = load(), clock()
         result = profile()
-        after, wall = load(), time.perf_counter() - started
+        after, wall = load(), clock() - started
         if before is None or after is None:
             return result
-        share = others_share(before, after, wall)
-        if best is None or share < best[0]:
-            best = (share, result)
-        if share <= BUSY_SHARE:
+        share = contention(before, after, wall, threads)
+        if share <= BUSY_PER_THREAD:
             return result
+        if quietest is None or share < quietest[0]:
+            quietest = (share, result)
         pause = PAUSES_S[min(tries, len(PAUSES_S) - 1)] * rng.uniform(0.5, 1.5)
-        tries += 1
-        if waited + pause > wait_s:
-            logger.warning("the pass profile was timed while other processes used %.2f CPUs: adaptive "
-                           "verification corrects it from the passes it runs", best[0])
-            return best[1]
+        if clock() + pause + wall > deadline:  # the next try would end past the deadline
+            break
         sleep(pause)
-        waited += pause
+    logger.warning("the pass profile was timed while other processes took %.0f%% of this one's CPU time: "
+                   "adaptive verification corrects it from the passes it runs", 100 * quietest[0])
+    return quietest[1]

@@ -7,21 +7,36 @@ import time
 
 import pytest
 
-from specstand.engine.quiet_profile import BUSY_SHARE, CpuTimes, cpu_times, others_share, profile_when_quiet
+from specstand.engine.quiet_profile import (
+    CpuTimes,
+    contention,
+    cpu_times,
+    others_cpus,
+    profile_when_quiet,
+)
 
 
-class ScriptedLoad:
-    """CPU readings around each profile: `shares[i]` of others' CPU over profile i's wall time."""
+class ScriptedHost:
+    """A clock that the pauses advance, and CPU readings around each profile: during profile i others kept
+    `others[i]` CPUs busy (of 2) while the profile took one second."""
 
-    def __init__(self, shares: list[float]) -> None:
-        self.shares, self.readings = list(shares), 0
-        self.busy = 0.0
+    def __init__(self, others: list[float]) -> None:
+        self.others, self.readings, self.busy, self.now = list(others), 0, 0.0, 0.0
+        self.pauses: list[float] = []
 
-    def __call__(self) -> CpuTimes:
-        if self.readings % 2 == 1:  # after a profile: others used shares[i] CPUs over its (tiny) wall time
-            self.busy += self.shares.pop(0) * 1000.0
+    def load(self) -> CpuTimes:
+        if self.readings % 2 == 1:  # after a profile
+            self.busy += self.others.pop(0)
+            self.now += 1.0
         self.readings += 1
-        return CpuTimes(self.busy, 0.0)
+        return CpuTimes({"cpu0": self.busy / 2, "cpu1": self.busy / 2}, 0.0)
+
+    def sleep(self, seconds: float) -> None:
+        self.pauses.append(seconds)
+        self.now += seconds
+
+    def clock(self) -> float:
+        return self.now
 
 
 def profiles():
@@ -30,67 +45,75 @@ def profiles():
     def profile() -> int:
         nonlocal count
         count += 1
-        time.sleep(0.001)
         return count
 
     return profile
 
 
+def taken(host: ScriptedHost, wait_s: float):
+    return profile_when_quiet(profiles(), 2, host.load, host.sleep, host.clock, wait_s, random.Random(0))
+
+
 def test_a_profile_taken_beside_busy_neighbours_is_taken_again_after_pauses():
-    pauses = []
-    result = profile_when_quiet(profiles(), ScriptedLoad([1e9, 1e9, 0.0]), pauses.append, wait_s=30.0,
-                                rng=random.Random(0))
-    assert result == 3  # the third, quiet profile
-    assert len(pauses) == 2 and 0.25 <= pauses[0] <= 0.75 and 0.5 <= pauses[1] <= 1.5  # growing, jittered
+    host = ScriptedHost([2.0, 1.0, 0.1])
+    assert taken(host, 30.0) == 3  # the third profile: others took 0.1 CPU of two, 5% of each thread
+    assert len(host.pauses) == 2 and 0.25 <= host.pauses[0] <= 0.75 and 0.5 <= host.pauses[1] <= 1.5
 
 
-def test_a_machine_that_never_quiets_keeps_the_quietest_profile_and_says_so(caplog):
-    pauses = []
+def test_a_host_that_never_quiets_keeps_the_quietest_profile_within_the_wait(caplog):
+    host = ScriptedHost([2.0, 0.5, 1.5] * 20)
     with caplog.at_level(logging.WARNING):
-        result = profile_when_quiet(profiles(), ScriptedLoad([3e9, 1e9, 2e9] * 20), pauses.append, wait_s=5.0,
-                                    rng=random.Random(0))
-    assert sum(pauses) <= 5.0 and len(pauses) >= 2
-    assert result % 3 == 2  # a profile taken while others used the least
-    assert "other processes used" in caplog.text
+        result = taken(host, 10.0)
+    assert result == 2  # the one while others took the least
+    assert host.now <= 10.0 and len(host.pauses) >= 2  # profiles and pauses together
+    assert "other processes took 25% of this one's CPU time" in caplog.text
 
 
 def test_without_cpu_readings_the_profile_is_taken_once():
     pauses = []
-    assert profile_when_quiet(profiles(), lambda: None, pauses.append, wait_s=30.0) == 1 and pauses == []
+    assert profile_when_quiet(profiles(), 2, lambda: None, pauses.append, wait_s=30.0) == 1 and pauses == []
 
 
-def test_a_few_ticks_of_others_do_not_count_as_busy():
-    assert others_share(CpuTimes(0.0, 0.0), CpuTimes(0.04, 0.0), 0.01) == 0.0  # 4 ticks: below the floor
-    assert others_share(CpuTimes(0.0, 0.0), CpuTimes(1.5, 1.0), 1.0) == pytest.approx(0.5)
-    assert others_share(CpuTimes(0.0, 0.0), CpuTimes(1.0, 1.0), 1.0) == 0.0  # all of it our own
+def test_contention_counts_others_beyond_the_spare_cpus_per_thread():
+    def reading(busy: float, own: float, cpus: int = 4) -> CpuTimes:
+        return CpuTimes({f"cpu{n}": busy / cpus for n in range(cpus)}, own)
+
+    assert others_cpus(reading(0, 0), reading(0.04, 0), 0.01) == 0.0  # 4 ticks: below the floor
+    assert others_cpus(reading(0, 0), reading(1.0, 1.0), 1.0) == 0.0  # all of it this process's own
+    assert others_cpus(reading(0, 0), reading(3.0, 1.0), 1.0) == pytest.approx(2.0)
+    assert contention(reading(0, 0), reading(3.0, 1.0), 1.0, threads=2) == 0.0  # 2 others on the 2 spare CPUs
+    assert contention(reading(0, 0), reading(3.0, 1.0), 1.0, threads=4) == pytest.approx(0.5)
+    gone = CpuTimes({"cpu0": 1.0}, 1.0)  # cpu1 taken offline: its counter's history is not a burst of work
+    assert others_cpus(CpuTimes({"cpu0": 0.0, "cpu1": 0.0}, 0.0), gone, 1.0) == 0.0
 
 
-def test_cpu_readings_tell_a_busy_neighbour_from_this_process_own_work():
+def test_cpu_readings_see_a_busy_neighbour_process():
     if cpu_times() is None:
-        pytest.skip("no /proc/stat on this system")
-    before, started = cpu_times(), time.perf_counter()
-    while time.perf_counter() - started < 0.5:  # our own work: not others'
-        pass
-    after = cpu_times()
-    assert after.own - before.own >= 0.3
-    spin = "import time\nt = time.perf_counter()\nwhile time.perf_counter() - t < 1.0: pass"
-    neighbour = subprocess.Popen([sys.executable, "-c", spin])
+        pytest.skip("no /proc/stat listing this process's CPUs")
+    spin = "import time\nprint('spinning', flush=True)\nt = time.time()\nwhile time.time() - t < 2:\n  pass"
+    neighbour = subprocess.Popen([sys.executable, "-c", spin], stdout=subprocess.PIPE, text=True)
     try:
-        time.sleep(0.2)  # its interpreter started
+        assert neighbour.stdout.readline().strip() == "spinning"
         before, started = cpu_times(), time.perf_counter()
-        time.sleep(0.6)
+        time.sleep(0.5)
         after = cpu_times()
     finally:
+        neighbour.kill()
         neighbour.wait()
-    assert others_share(before, after, time.perf_counter() - started) > BUSY_SHARE
+    assert others_cpus(before, after, time.perf_counter() - started) > 0.5  # it kept about one CPU busy
 
 
-def test_cpu_readings_count_only_the_cpus_this_process_may_run_on(tmp_path):
+def test_cpu_readings_count_only_this_process_cpus_and_leave_guest_time_in_user(tmp_path):
+    if not hasattr(os, "sched_getaffinity"):
+        pytest.skip("no CPU affinity on this system")
     allowed = sorted(os.sched_getaffinity(0))
-    outside = max(allowed) + 1
     lines = ["cpu  9 9 9 9 9 9 9 9 0 0"]
-    lines += [f"cpu{n} 100 0 50 1000 7 0 0 10 0 0" for n in allowed]
-    lines += [f"cpu{outside} 99999 0 0 0 0 0 0 0 0 0", "intr 1 2 3"]
+    lines += [f"cpu{n} 100 0 50 1000 7 0 0 10 40 0" for n in allowed]  # guest 40 is part of user's 100
+    lines += [f"cpu{max(allowed) + 1} 99999 0 0 0 0 0 0 0 0 0", "intr 1 2 3", ""]
     stat = tmp_path / "stat"
-    stat.write_text("\n".join(lines) + "\n")
-    assert cpu_times(str(stat)).busy == pytest.approx(160 * len(allowed) / os.sysconf("SC_CLK_TCK"))
+    stat.write_text("\n".join(lines))
+    reading = cpu_times(str(stat))
+    assert set(reading.busy_s) == {f"cpu{n}" for n in allowed}
+    assert sum(reading.busy_s.values()) == pytest.approx(160 * len(allowed) / os.sysconf("SC_CLK_TCK"))
+    stat.write_text("cpu  1 2 3 4 5 6 7 8 0 0\ncpu99999 1 2 3 4 5 6 7 8 0 0\n")  # none of this process's CPUs
+    assert cpu_times(str(stat)) is None

@@ -5,13 +5,13 @@ their neighbours load models and profile too: on two AVX2 cores three SmolLM2 se
 plain step at 22 ms against 5-7 ms alone, and a 6-row verify at 3.2 plain steps against 1.8-2.4; one of them
 then drafted in half as many passes as its twin (benchmarks/results/stand/README.md). The running corrections
 learn the shape only from passes of more rows, which a verify priced too high rarely gets to run. So the
-profile is taken again, after a pause, while other processes competed for the CPUs during it: the busy time of
-the CPUs this process may run on (Linux's /proc/stat) less its own, beyond the CPUs its threads leave spare.
+profile waits for other processes to leave the CPUs (three Qwen servers started together load for over a
+minute), and is taken again where they competed during it: the busy time of the CPUs this process may run on
+(Linux's /proc/stat) less its own, beyond the CPUs its threads leave spare.
 """
 
 from __future__ import annotations
 
-import itertools
 import logging
 import os
 import random
@@ -29,9 +29,9 @@ T = TypeVar("T")
 # not taken again for one tick of a daemon.
 BUSY_PER_THREAD = 0.125
 BUSY_MIN_S = 0.05
-QUIET_WAIT_S = 30.0  # start-up's limit, profiles and pauses together, before it keeps the quietest profile
+QUIET_WAIT_S = 120.0  # start-up's limit (profiles and waits), past a neighbour's model load, then the quietest
 WAIT_ENV = "SPECSTAND_QUIET_WAIT_S"  # overrides it (tests set 0: whether a test waits must not depend on the host)
-PAUSES_S = (0.5, 1.0, 2.0, 4.0)  # between tries, each scaled by a random 0.5-1.5 so servers fall out of step
+WINDOW_S = 0.5  # a window watched before each try, times a random 0.5-1.5
 
 
 @dataclass(frozen=True)
@@ -86,15 +86,32 @@ def quiet_wait_s() -> float:
     return float(os.environ.get(WAIT_ENV, QUIET_WAIT_S))
 
 
+def quiet_window(threads: int, load: Callable[[], CpuTimes | None], sleep: Callable[[float], None],
+                 clock: Callable[[], float], rng: random.Random) -> bool:
+    """Whether others left this process's CPUs alone while it watched, idle, for a window of random length (so
+    that servers waiting together do not all find the same moment quiet)."""
+    before, started = load(), clock()
+    sleep(WINDOW_S * rng.uniform(0.5, 1.5))
+    after = load()
+    return before is None or after is None or contention(before, after, clock() - started, threads) <= BUSY_PER_THREAD
+
+
 def profile_when_quiet(profile: Callable[[], T], threads: int, load: Callable[[], CpuTimes | None] = cpu_times,
                        sleep: Callable[[float], None] = time.sleep, clock: Callable[[], float] = time.monotonic,
                        wait_s: float | None = None, rng: random.Random | None = None) -> T:
-    """`profile()`, taken again after a pause while others' contention during it was above BUSY_PER_THREAD, for
-    up to `wait_s` seconds in all (default: quiet_wait_s()); then the quietest one taken, with a warning."""
+    """`profile()` once a watched window was quiet, taken again while others' contention during it was above
+    BUSY_PER_THREAD, for up to `wait_s` seconds in all (default: quiet_wait_s()); then the quietest one taken,
+    with a warning. At least one profile is always taken."""
     deadline = clock() + (quiet_wait_s() if wait_s is None else wait_s)
     rng = rng or random.Random()
     quietest: tuple[float, T] | None = None  # (contention, profile)
-    for tries in itertools.count():
+    said = False
+    while True:
+        while clock() < deadline and not quiet_window(threads, load, sleep, clock, rng):
+            if not said:  # neighbours loading or profiling: a profile taken now would be taken again
+                logger.warning("waiting for other processes to leave this one's CPUs before timing its passes "
+                               "(up to %.0f s; %s sets the limit)", deadline - clock(), WAIT_ENV)
+                said = True
         before, started = load(), clock()
         result = profile()
         after, wall = load(), clock() - started
@@ -105,10 +122,8 @@ def profile_when_quiet(profile: Callable[[], T], threads: int, load: Callable[[]
             return result
         if quietest is None or share < quietest[0]:
             quietest = (share, result)
-        pause = PAUSES_S[min(tries, len(PAUSES_S) - 1)] * rng.uniform(0.5, 1.5)
-        if clock() + pause + wall > deadline:  # the next try would end past the deadline
+        if clock() + wall > deadline:  # another try would end past the deadline
             break
-        sleep(pause)
     logger.warning("the pass profile was timed while other processes took %.0f%% of this one's CPU time: "
                    "adaptive verification corrects it from the passes it runs", 100 * quietest[0])
     return quietest[1]

@@ -17,61 +17,66 @@ from specstand.engine.quiet_profile import (
 
 
 class ScriptedHost:
-    """A clock that the pauses advance, and CPU readings around each profile: during profile i others kept
-    `others[i]` CPUs busy (of 2) while the profile took one second."""
+    """Two CPUs, a clock that waits advance, and neighbours: they keep both CPUs busy until `busy_until`, and
+    take `during[i]` CPUs while profile i runs (one second)."""
 
-    def __init__(self, others: list[float]) -> None:
-        self.others, self.readings, self.busy, self.now = list(others), 0, 0.0, 0.0
-        self.pauses: list[float] = []
+    def __init__(self, busy_until: float, during: list[float]) -> None:
+        self.busy_until, self.during = busy_until, list(during)
+        self.now = self.busy = 0.0
+        self.profiles = 0
 
     def load(self) -> CpuTimes:
-        if self.readings % 2 == 1:  # after a profile
-            self.busy += self.others.pop(0)
-            self.now += 1.0
-        self.readings += 1
         return CpuTimes({"cpu0": self.busy / 2, "cpu1": self.busy / 2}, 0.0)
 
     def sleep(self, seconds: float) -> None:
-        self.pauses.append(seconds)
+        self.busy += 2 * max(0.0, min(self.now + seconds, self.busy_until) - self.now)
         self.now += seconds
 
     def clock(self) -> float:
         return self.now
 
-
-def profiles():
-    count = 0
-
-    def profile() -> int:
-        nonlocal count
-        count += 1
-        return count
-
-    return profile
+    def profile(self) -> int:
+        self.profiles += 1
+        self.busy += self.during.pop(0)
+        self.now += 1.0
+        return self.profiles
 
 
-def taken(host: ScriptedHost, wait_s: float):
-    return profile_when_quiet(profiles(), 2, host.load, host.sleep, host.clock, wait_s, random.Random(0))
+def taken(host: ScriptedHost, wait_s: float) -> int:
+    return profile_when_quiet(host.profile, 2, host.load, host.sleep, host.clock, wait_s, random.Random(0))
 
 
-def test_a_profile_taken_beside_busy_neighbours_is_taken_again_after_pauses():
-    host = ScriptedHost([2.0, 1.0, 0.1])
-    assert taken(host, 30.0) == 3  # the third profile: others took 0.1 CPU of two, 5% of each thread
-    assert len(host.pauses) == 2 and 0.25 <= host.pauses[0] <= 0.75 and 0.5 <= host.pauses[1] <= 1.5
+def test_a_profile_waits_for_neighbours_that_load_to_leave_the_cpus(caplog):
+    host = ScriptedHost(busy_until=20.0, during=[0.1])
+    with caplog.at_level(logging.WARNING):
+        assert taken(host, 120.0) == 1  # one profile, after they left
+    assert host.now >= 21.0 and "waiting for other processes" in caplog.text
+
+
+def test_a_profile_taken_beside_busy_neighbours_is_taken_again():
+    host = ScriptedHost(busy_until=0.0, during=[2.0, 1.0, 0.1])
+    assert taken(host, 120.0) == 3  # the third: others took 0.1 CPU of two, 5% of each thread
 
 
 def test_a_host_that_never_quiets_keeps_the_quietest_profile_within_the_wait(caplog):
-    host = ScriptedHost([2.0, 0.5, 1.5] * 20)
+    host = ScriptedHost(busy_until=0.0, during=[2.0, 0.5, 1.5] * 20)
     with caplog.at_level(logging.WARNING):
-        result = taken(host, 10.0)
-    assert result == 2  # the one while others took the least
-    assert host.now <= 10.0 and len(host.pauses) >= 2  # profiles and pauses together
+        assert taken(host, 10.0) == 2  # the one while others took the least
+    assert host.profiles >= 3 and host.now <= 11.75  # a last window may start before the deadline
     assert "other processes took 25% of this one's CPU time" in caplog.text
 
 
+def test_neighbours_busy_past_the_wait_still_leave_one_profile(caplog):
+    host = ScriptedHost(busy_until=float("inf"), during=[2.0] * 5)
+    with caplog.at_level(logging.WARNING):
+        assert taken(host, 10.0) == 1
+    assert 10.0 <= host.now <= 11.75 and "took 100%" in caplog.text  # windows to the deadline, one profile
+
+
 def test_without_cpu_readings_the_profile_is_taken_once():
-    pauses = []
-    assert profile_when_quiet(profiles(), 2, lambda: None, pauses.append, wait_s=30.0) == 1 and pauses == []
+    host = ScriptedHost(busy_until=float("inf"), during=[2.0])
+    assert profile_when_quiet(host.profile, 2, lambda: None, host.sleep, host.clock, 30.0) == 1
+    assert host.profiles == 1 and host.now <= 2.0  # one window watched, then the profile
 
 
 def test_contention_counts_others_beyond_the_spare_cpus_per_thread():

@@ -4,6 +4,7 @@
 # adaptive verification must correct it from the passes it runs (docs/adaptive_verification.md). Each server's
 # profiled and corrected pass costs are read from /metrics after start and after the bench.
 #   bash benchmarks/start_together.sh OUT_DIR
+#   START_ONLY=1 MODEL=qwen2.5-coder-0.5b bash benchmarks/start_together.sh OUT_DIR   # the profiles alone, no bench
 # MODEL, METHODS (comma-separated), DTYPE, USERS, REPEATS and WORKLOAD override the defaults.
 set -euo pipefail
 ROOT="$(cd "$(dirname "$0")/.." && pwd)"
@@ -45,6 +46,7 @@ for group in together alone; do
     { echo "# $group-$m after start"; pass_costs $port; } >> "$OUT/pass_costs.txt"
   done
 done
+[[ -n "${START_ONLY:-}" ]] && exit 0
 "$SPEC" bench --workload "$WORKLOAD" --model "$MODEL" "${endpoints[@]}" --baseline alone-none \
   --users "${USERS:-1,4}" --repeats "${REPEATS:-3}" --warm system --out "$OUT"
 port=8300

@@ -83,7 +83,11 @@ def contention(before: CpuTimes, after: CpuTimes, wall_s: float, threads: int) -
 
 
 def quiet_wait_s() -> float:
-    return float(os.environ.get(WAIT_ENV, QUIET_WAIT_S))
+    text = os.environ.get(WAIT_ENV, str(QUIET_WAIT_S))
+    try:
+        return max(0.0, float(text))
+    except ValueError:
+        raise ValueError(f"{WAIT_ENV} must be a number of seconds, not {text!r}") from None
 
 
 def quiet_window(threads: int, load: Callable[[], CpuTimes | None], sleep: Callable[[float], None],

@@ -13,6 +13,7 @@ from specstand.engine.quiet_profile import (
     cpu_times,
     others_cpus,
     profile_when_quiet,
+    quiet_wait_s,
 )
 
 
@@ -122,3 +123,11 @@ def test_cpu_readings_count_only_this_process_cpus_and_leave_guest_time_in_user(
     assert sum(reading.busy_s.values()) == pytest.approx(160 * len(allowed) / os.sysconf("SC_CLK_TCK"))
     stat.write_text("cpu  1 2 3 4 5 6 7 8 0 0\ncpu99999 1 2 3 4 5 6 7 8 0 0\n")  # none of this process's CPUs
     assert cpu_times(str(stat)) is None
+
+
+def test_the_wait_limit_comes_from_the_environment_or_says_what_is_wrong(monkeypatch):
+    monkeypatch.setenv("SPECSTAND_QUIET_WAIT_S", "7.5")
+    assert quiet_wait_s() == 7.5
+    monkeypatch.setenv("SPECSTAND_QUIET_WAIT_S", "soon")
+    with pytest.raises(ValueError, match="SPECSTAND_QUIET_WAIT_S must be a number of seconds"):
+        quiet_wait_s()

@@ -107,6 +107,8 @@ def profile_when_quiet(profile: Callable[[], T], threads: int, load: Callable[[]
     BUSY_PER_THREAD, for up to `wait_s` seconds in all (default: quiet_wait_s()); then the quietest one taken,
     with a warning. At least one profile is always taken."""
     deadline = clock() + (quiet_wait_s() if wait_s is None else wait_s)
+    if load() is None:  # nothing to watch: no window is waited for
+        return profile()
     rng = rng or random.Random()
     quietest: tuple[float, T] | None = None  # (contention, profile)
     said = False

@@ -24,35 +24,37 @@ serve() {  # serve GROUP METHOD PORT: one server in the background, its log in O
     > "$OUT/serve-$1-$2.log" 2>&1 &
   pids+=($!)
 }
-wait_ready() {  # wait_ready PORT
-  until curl -sf "http://127.0.0.1:$1/health" > /dev/null; do sleep 1; done
+wait_ready() {  # wait_ready PORT PID: until the server answers, or stop if it exited
+  until curl -sf "http://127.0.0.1:$1/health" > /dev/null; do
+    kill -0 "$2" 2>/dev/null || { echo "the server on port $1 exited: see its log in $OUT" >&2; exit 1; }
+    sleep 1
+  done
 }
-pass_costs() {  # pass_costs PORT: the profiled and corrected pass seconds on /metrics
-  curl -sf "http://127.0.0.1:$1/metrics" | grep -E '^specstand:pass_seconds_(profiled|estimated)' || true
+record_costs() {  # record_costs WHEN: each server's profiled and corrected pass seconds on /metrics
+  local port=8300 group m
+  for group in together alone; do
+    for m in "${methods[@]}"; do
+      port=$((port + 1))
+      echo "# $group-$m $1"
+      curl -sf "http://127.0.0.1:$port/metrics" | grep -E '^specstand:pass_seconds_(profiled|estimated)' || true
+    done
+  done >> "$OUT/pass_costs.txt"
 }
 
-endpoints=()
 port=8300
 for m in "${methods[@]}"; do serve together "$m" $((port += 1)); done  # all at once
-for ((p = 8301; p <= port; p++)); do wait_ready $p; done
+for ((i = 0; i < ${#methods[@]}; i++)); do wait_ready $((8301 + i)) "${pids[i]}"; done
 for m in "${methods[@]}"; do
-  serve alone "$m" $((port += 1)); wait_ready $port  # the next starts once this one is serving
+  serve alone "$m" $((port += 1)); wait_ready $port "${pids[-1]}"  # the next starts once this one is serving
 done
+: > "$OUT/pass_costs.txt"
+record_costs "after start"
+[[ -n "${START_ONLY:-}" ]] && exit 0
+endpoints=()
 port=8300
 for group in together alone; do
-  for m in "${methods[@]}"; do
-    port=$((port + 1))
-    endpoints+=(--endpoint "$group-$m=http://127.0.0.1:$port")
-    { echo "# $group-$m after start"; pass_costs $port; } >> "$OUT/pass_costs.txt"
-  done
+  for m in "${methods[@]}"; do endpoints+=(--endpoint "$group-$m=http://127.0.0.1:$((port += 1))"); done
 done
-[[ -n "${START_ONLY:-}" ]] && exit 0
 "$SPEC" bench --workload "$WORKLOAD" --model "$MODEL" "${endpoints[@]}" --baseline alone-none \
   --users "${USERS:-1,4}" --repeats "${REPEATS:-3}" --warm system --out "$OUT"
-port=8300
-for group in together alone; do
-  for m in "${methods[@]}"; do
-    port=$((port + 1))
-    { echo "# $group-$m after the bench"; pass_costs $port; } >> "$OUT/pass_costs.txt"
-  done
-done
+record_costs "after the bench"

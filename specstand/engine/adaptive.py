@@ -249,10 +249,13 @@ class AdaptiveVerifier:
     # a request may fall behind plain decoding by one plain step plus this share of the plain time of its
     # tokens (a lag that only grows would block every request's drafts behind one whose drafts fail)
     lag_share: float = 0.05
+    # one draft position past the budget is verified every this many steps that cut a draft (see _explore)
+    explore_every: int = 8
     depth: int = field(init=False)  # how deep to draft next: one past the deepest share the last budget gave
     _pause: int = 0  # steps left without drafting
     _backoff: int = 0
     _misses: int = 0  # budgeted steps in a row that plain decoding would have beaten
+    _cut_steps: int = 0  # budgeted steps that cut a draft
     _probing: bool = False  # the first drafting step after a pause verifies a token of every draft
     _probe_step: bool = False  # this step is such a probe: its outcomes refit the estimate at once
     _paid: bool = False  # the latest budgeted step was faster than plain decoding would have been
@@ -303,7 +306,7 @@ class AdaptiveVerifier:
             counts = [len(d.tokens) for d in drafts]
         drafted_keys = keys + sum(n * c for n, c in zip(counts, contexts, strict=True))
         drafted_pass = self.pass_cost(requests + sum(counts), drafted_keys)
-        self._step = _Step(this_draft + drafted_pass, plain_seconds)
+        self._step = _Step(this_draft + drafted_pass, plain_seconds, requests, probe=self._probe_step)
         if budgeted:
             self._pause_if_plain_is_faster(requests, expected, drafted_pass, plain_seconds, this_draft)
         return [d.cut(n) for d, n in zip(drafts, counts, strict=True)]
@@ -320,7 +323,21 @@ class AdaptiveVerifier:
         # a chain drafter's cost grows with its depth: draft no deeper than the budget went, plus one to
         # see whether the next position would pay
         self.depth = min(max(counts) + 1, self.max_depth)
+        if not self._probe_step and any(counts):
+            self._explore(counts, drafts, survival)
         return counts, sum(float(s[:n].sum()) for s, n in zip(survival, counts, strict=True))
+
+    def _explore(self, counts: list[int], drafts: list[Draft], survival: list[np.ndarray]) -> None:
+        """Every `explore_every`-th step that verified a budget and cut a draft, verify one position more of
+        the cut draft most likely to pass it. A position past every budget is never judged, so an estimate
+        that undervalues it would otherwise stand for good (seen: suffix decoding's paths of probability 1
+        cut to one token for whole runs, by a position weight fit on a handful of early failures)."""
+        cut = [r for r, (n, d) in enumerate(zip(counts, drafts, strict=True)) if n < len(d.tokens)]
+        if not cut:
+            return
+        self._cut_steps += 1
+        if self._cut_steps % self.explore_every == 0:
+            counts[max(cut, key=lambda r: survival[r][counts[r]])] += 1
 
     def _pause_if_plain_is_faster(self, requests: int, expected: float, drafted_pass: float, plain_seconds: float,
                                   this_draft: float) -> None:
@@ -346,10 +363,24 @@ class AdaptiveVerifier:
             ledger.tokens += 1 + accepted
             if self._step is not None:  # a drafting step: what it cost beyond plain passes for these tokens
                 ledger.lag += self._step.seconds - (1 + accepted) * self._step.plain_seconds
+        if self._step is not None and self._step.probe:
+            self._judge_probe(accepted)
         if draft.tokens:
             self.acceptance.observe(_confidence(draft), len(draft.tokens), accepted, draft.calibrated)
             if self._probe_step and self.acceptance.fitted:  # probes are rare: waiting for 100 outcomes
                 self.acceptance.fit()  # would keep a stale estimate pausing for the rest of the calls
+
+    def _judge_probe(self, accepted: int) -> None:
+        """A probe's pause was set on the estimate it was sent to test; once all its outcomes are in, a probe
+        that was in fact faster than plain decoding ends the pause and the misses: the estimate, refit on its
+        outcomes, decides the next step. (Judged on the prediction alone, a drafter whose first drafts failed,
+        suffix decoding before it has seen an answer, kept stretching its pauses while its probes paid: a
+        fresh server drafted in a third of the passes a settled one did.)"""
+        step = self._step
+        step.tokens += 1 + accepted
+        step.observed += 1
+        if step.observed == step.requests and step.tokens / step.seconds >= step.requests / step.plain_seconds:
+            self._pause, self._backoff, self._misses, self._paid = 0, 0, 0, True
 
     def lag(self, request_id: int) -> float:
         """Seconds request `request_id` is behind plain decoding, as the cost model predicts (< 0: ahead)."""
@@ -362,6 +393,10 @@ class _Step:
 
     seconds: float  # this step's drafting plus the pass of every row kept
     plain_seconds: float  # one plain pass of the same requests
+    requests: int
+    probe: bool = False  # the first drafting step after a pause: judged on its outcomes too
+    tokens: int = 0  # what its requests got, as their outcomes come in
+    observed: int = 0
 
 
 @dataclass

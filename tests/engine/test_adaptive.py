@@ -200,6 +200,57 @@ def test_a_probe_refits_the_estimate_at_once():
     assert verifier.acceptance.probabilities([0.0])[0] > before
 
 
+def _paused_verifier() -> AdaptiveVerifier:
+    """An estimate fit on drafts that all failed: drafting is paused, waiting for a probe."""
+    verifier = _verifier()
+    rejected = Draft([1, 2, 3], confidence=[0.0] * 3)
+    for _ in range(64):
+        verifier.observe(rejected, 0)
+    verifier.acceptance.fit()
+    verifier.record_draft_time(0.001)
+    for _ in range(4):  # misses in a row: each stretches the next pause
+        verifier.trim([rejected], [0])
+        while not verifier.should_draft():
+            pass
+    return verifier
+
+
+@pytest.mark.parametrize("accepted", [1, 0])
+def test_a_probe_that_paid_ends_the_pause(accepted):
+    """A probe's pause is set on the estimate it tests; one whose outcome beat plain decoding (two tokens for a
+    pass of two rows, 1.1 plain passes here) ends it, so that a drafter whose first drafts failed (suffix
+    decoding before it has seen an answer) is not kept paused while its probes pay. One that failed keeps it."""
+    verifier = _paused_verifier()
+    (probe,) = verifier.trim([Draft([1, 2, 3], confidence=[0.0] * 3)], [0])
+    assert len(probe.tokens) == 1
+    verifier.observe(probe, accepted)
+    assert verifier.should_draft() == bool(accepted)
+    assert verifier.drafting_pays == bool(accepted)
+
+
+@pytest.mark.parametrize("explore_every", [8, 10**9])
+def test_positions_past_every_budget_are_judged_now_and_then(explore_every):
+    """An estimate that a draft's second position fails cuts every draft to one token, so that position is
+    never judged again: verifying one position past the budget every eighth such step lets the estimate see
+    that the drafter has changed (without it, the budget stays at one token)."""
+    verifier = AdaptiveVerifier(FixedCost([1, 64], [1.0, 7.3]), max_depth=5, explore_every=explore_every)
+    verifier.record_draft_time(0.001)
+    for _ in range(64):
+        verifier.observe(Draft([1, 2], confidence=[1.0, 1.0]), 1)  # the first position passes, the second fails
+    verifier.acceptance.fit()
+    budgets = []
+    for _ in range(400):
+        assert verifier.should_draft()
+        (cut,) = verifier.trim([Draft([1, 2, 3, 4, 5], confidence=[1.0] * 5)], [0])
+        verifier.observe(cut, len(cut.tokens))  # now every position passes
+        budgets.append(len(cut.tokens))
+    assert budgets[:7] == [1] * 7
+    if explore_every == 8:
+        assert budgets[7] == 2 and min(budgets[-20:]) >= 2
+    else:
+        assert set(budgets) == {1}
+
+
 def test_a_costly_probe_buys_a_longer_pause():
     """Drafting that plain decoding beats pauses until its probes cost at most probe_share of the plain
     steps between them: a cheap drafter is asked again soon, a slow one much later."""

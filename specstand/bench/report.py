@@ -408,7 +408,11 @@ def _reset_line(config: dict) -> str:
     kept = [name for name, reset in resets.items() if not reset and name not in restarted]
     line = "\nEach run started with the server's prompt cache and drafter memory reset"
     line += f" ({', '.join(restarted)}: the server restarted, having no /reset_prefix_cache route)" if restarted else ""
-    return line + (f", except on {', '.join(kept)} (no /reset_prefix_cache route).\n" if kept else ".\n")
+    line += f", except on {', '.join(kept)} (no /reset_prefix_cache route)." if kept else "."
+    if config.get("settled_on_first_turn"):
+        line += (" Before the first run each target served the workload's first turn once, not recorded: first-call"
+                 " costs stay out, and adaptive verification, whose estimates outlive the reset, starts settled.")
+    return line + "\n"
 
 
 def _repeats_line(config: dict) -> str:

@@ -9,7 +9,7 @@ import time
 import psutil
 import pytest
 
-from specstand.bench.run import Target, first_call, server_gone, workload_context
+from specstand.bench.run import Target, server_gone, settling_turn, workload_context
 from specstand.cli import main
 from specstand.workloads import Call, Turn, save_workload
 
@@ -55,7 +55,8 @@ def test_bench_runs_methods_side_by_side(tmp_path, tiny_model_dir, capsys):
     assert f"kernel path of specstand's targets here: {machine['kernel_path']}" in (out / "report.md").read_text()
     # every run starts with nothing cached: a repeat must not find the previous run's prompts and answers
     assert raw["config"]["prefix_cache_reset_per_run"] == {"none": True, "ngram": True, "suffix@fixed": True}
-    assert "prompt cache and drafter memory reset." in (out / "report.md").read_text()
+    assert "prompt cache and drafter memory reset. Before the first run each target served the workload's first " \
+        "turn once" in (out / "report.md").read_text()
     ngram = raw["summary"]["ngram"]["1"][0]
     assert ngram["tau"] >= 1.0 and ngram["failed_calls"] == 0
     assert (out / "report.md").read_text().count("|") > 20
@@ -150,11 +151,12 @@ def test_a_server_that_died_is_named_with_how(tmp_path):
     assert server_gone(Target("remote", "http://127.0.0.1:3")) is None  # an --endpoint: not the bench's to watch
 
 
-def test_the_warm_up_is_a_turns_first_call_alone():
-    calls = [Call("a", prompt="one", delay_ms=50.0), Call("b", prompt="two", depends_on=["a"])]
-    warm_up = first_call(Turn("t", calls, "src"))
-    assert [c.id for c in warm_up.calls] == ["a"] and warm_up.calls[0].delay_ms == 0.0
-    assert (warm_up.turn_id, warm_up.source) == ("t", "src") and len(calls) == 2  # the workload is unchanged
+def test_the_warm_up_is_a_whole_turn_without_its_delays():
+    calls = [Call("a", prompt="one", delay_ms=50.0), Call("b", prompt="two", depends_on=["a"], delay_ms=20.0)]
+    warm_up = settling_turn(Turn("t", calls, "src"))
+    assert [c.id for c in warm_up.calls] == ["a", "b"] and [c.delay_ms for c in warm_up.calls] == [0.0, 0.0]
+    assert warm_up.calls[1].depends_on == ["a"]
+    assert (warm_up.turn_id, warm_up.source) == ("t", "src") and calls[0].delay_ms == 50.0  # the workload is unchanged
 
 
 PEER = '''

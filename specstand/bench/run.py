@@ -251,6 +251,24 @@ def _session_alive(pid: int) -> bool:
     return True
 
 
+async def _settle(targets: list[Target], endpoints: dict[str, OpenAIEndpoint], first: Turn,
+                  report_config: dict) -> tuple[dict[str, bool], list[Target]]:
+    """Serve every target the workload's first turn, not recorded (first-call costs and learning stay out of
+    the figures), and find how each one starts a run afresh: its reset route, else a restart."""
+    for endpoint in endpoints.values():
+        await replay([settling_turn(first)], endpoint, 1)
+    report_config["settled_on_first_turn"] = True
+    # each run starts from the same state: no prompt cached and no answer remembered from an earlier run
+    # (replayed turns repeat, so they would be found whole: x4 on a cold AVX2 demo turn, and suffix
+    # decoding drafting the answers of the previous repeat)
+    resets = {name: await endpoint.reset_prefix_cache() for name, endpoint in endpoints.items()}
+    report_config["prefix_cache_reset_per_run"] = resets
+    # a peer with no reset route whose command the bench has is restarted before each run instead
+    restarted = [t for t in targets if not resets[t.name] and t.command]
+    report_config["restarted_per_run"] = [t.name for t in restarted]
+    return resets, restarted
+
+
 async def run_bench(targets: list[Target], turns: list[Turn], config: BenchConfig) -> str:
     endpoints = {t.name: OpenAIEndpoint(t.url, api_key=config.api_key) for t in targets}
     names = [t.name for t in targets]
@@ -273,17 +291,7 @@ async def run_bench(targets: list[Target], turns: list[Turn], config: BenchConfi
     per_run = {u: sum(len(own) for own in assign_turns(turns, u)) for u in config.users}
     total = config.repeats * len(targets) * len(config.warm) * sum(per_run.values())
     try:
-        for endpoint in endpoints.values():  # not recorded: first-call costs and learning stay out of the figures
-            await replay([settling_turn(turns[0])], endpoint, 1)
-        report_config["settled_on_first_turn"] = True
-        # each run starts from the same state: no prompt cached and no answer remembered from an earlier run
-        # (replayed turns repeat, so they would be found whole: x4 on a cold AVX2 demo turn, and suffix
-        # decoding drafting the answers of the previous repeat)
-        resets = {name: await endpoint.reset_prefix_cache() for name, endpoint in endpoints.items()}
-        report_config["prefix_cache_reset_per_run"] = resets
-        # a peer with no reset route whose command the bench has is restarted before each run instead
-        restarted = [t for t in targets if not resets[t.name] and t.command]
-        report_config["restarted_per_run"] = [t.name for t in restarted]
+        resets, restarted = await _settle(targets, endpoints, turns[0], report_config)
         with tqdm(total=total, unit="turn", desc="bench", file=sys.stderr) as bar:
             for repeat, warm, users in itertools.product(range(config.repeats), config.warm, config.users):
                 for target in targets:  # interleaved, so drift hits every target alike

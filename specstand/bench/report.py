@@ -3,173 +3,22 @@
 Table shape follows seed 000: methods as columns; rows K, turn p50 per U (median over repeats with its
 [min-max] spread), speedup vs the baseline, turns/s at the top U, tau over all passes, vLLM's per-draft
 tau, broken JSON, identical answers. A method whose spread overlaps the baseline's is marked "≈": the
-difference is inside the noise.
-
-Answers are judged (broken JSON, broken tool calls, identical or not) by answers.py.
+difference is inside the noise. The numbers of each run come from summary.py.
 """
 
 from __future__ import annotations
 
 import json
 import statistics
-from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from specstand.bench.answers import answer_is_broken, answer_key
-from specstand.bench.replay import CallRecord, TurnRecord
+from specstand.bench.summary import PHASES, RunResult, spread_of, summarize, values_of
 from specstand.files import write_atomic, write_text_atomic
-from specstand.workloads import Call, Turn
+from specstand.workloads import Turn
 
-
-@dataclass
-class RunResult:
-    target: str
-    users: int
-    repeat: int
-    wall_s: float
-    turns: list[TurnRecord]
-    metrics_delta: dict[str, float] = field(default_factory=dict)
-    warm: str = "none"  # what the server held cached when the run began (bench.run.WARM_STATES)
-
-    def to_dict(self) -> dict:
-        return asdict(self)
-
-    @classmethod
-    def from_dict(cls, data: dict) -> RunResult:
-        turns = [TurnRecord(t["turn_id"], t["user"], t["start"], t["end"], [CallRecord(**c) for c in t["calls"]])
-                 for t in data["turns"]]
-        return cls(data["target"], data["users"], data["repeat"], data["wall_s"], turns, data["metrics_delta"],
-                   data.get("warm", "none"))
-
-
-# where a server's engine thread spent a run (specstand:engine_seconds by phase), in the order they are drawn
-PHASES = ("prompt", "decode", "draft", "other", "idle")
 # below this many repeats a [min-max] spread has missed host drift between server processes: on 2-core
 # hosts, 2-repeat differences of x0.78-0.92 read x1.00 with 4-5 repeats (benchmarks/results/stand/README.md)
 CALLING_REPEATS = 4
-
-
-def time_breakdown(m: dict[str, float]) -> dict:
-    """What a run's metrics say of where its time went: the engine's seconds by phase (specstand), prompt
-    tokens computed and reused (vLLM's prefix-cache counters, which specstand exports too), and the mean
-    time a call waited for a slot. Absent figures are None (a server that does not export them)."""
-    phases = {p: m.get(f"specstand:engine_seconds_total[phase={p}]") for p in PHASES}
-    prompt = m.get("vllm:prompt_tokens_total")
-    hits = m.get("vllm:prefix_cache_hits_total")
-    queued = m.get("vllm:request_queue_time_seconds_count")
-    engine_s = {p: v or 0.0 for p, v in phases.items()} if any(v is not None for v in phases.values()) else None
-    return {
-        "engine_s": engine_s,
-        "decode_share": _decode_share(engine_s),
-        "prompt_tokens_computed": prompt - hits if prompt is not None and hits is not None else None,
-        "prompt_tokens_reused": hits,
-        "prompt_tokens_from_store": m.get("specstand:prefix_store_hits_total"),
-        "queue_s_per_call": m["vllm:request_queue_time_seconds_sum"] / queued if queued else None,
-    }
-
-
-def _decode_share(engine_s: dict[str, float] | None) -> float | None:
-    """Decode/verify passes' share of the engine's busy time (idle left out): with a share s, a run whose
-    decode/verify passes took no time at all would be 1 / (1 - s) times faster. On plain decoding's run that is
-    the most any drafter can gain at that load; prompts, which no drafter shortens, take the rest."""
-    if not engine_s:
-        return None
-    busy = sum(seconds for phase, seconds in engine_s.items() if phase != "idle")
-    return engine_s.get("decode", 0.0) / busy if busy > 0 else None
-
-
-def percentile(values: list[float], q: float) -> float | None:
-    if not values:
-        return None
-    ordered = sorted(values)
-    position = (len(ordered) - 1) * q
-    low = int(position)
-    high = min(low + 1, len(ordered) - 1)
-    return ordered[low] + (ordered[high] - ordered[low]) * (position - low)
-
-
-def run_summary(run: RunResult, calls: dict[tuple[str, str], Call], baseline_answers: dict[tuple[str, str], tuple]
-                ) -> dict:
-    """`baseline_answers`: the baseline's answer_key per (turn, call)."""
-    turn_times = [t.duration for t in run.turns if not t.failed]
-    records = [c for t in run.turns for c in t.calls]
-    ok = [c for c in records if not c.error]
-    expected_json = [c for c in ok if calls[(c.turn_id, c.call_id)].expect_json or c.tool_calls]
-    # an answer cut by max_tokens says nothing about the engine: count it apart from broken JSON
-    truncated = [c for c in expected_json if c.finish_reason == "length"]
-    finished = [c for c in expected_json if c.finish_reason != "length"]
-    broken = sum(answer_is_broken(c, calls[(c.turn_id, c.call_id)]) for c in finished)
-    compared = [c for c in ok if (c.turn_id, c.call_id) in baseline_answers]
-    identical = sum(answer_key(c) == baseline_answers[(c.turn_id, c.call_id)] for c in compared)
-    m = run.metrics_delta
-    passes = m.get("specstand:target_passes_total", 0.0)
-    drafts = m.get("vllm:spec_decode_num_drafts_total", 0.0)
-    accepted = m.get("vllm:spec_decode_num_accepted_tokens_total", 0.0)
-    per_position = sorted((int(k.split("[")[1][:-1]), v) for k, v in m.items()
-                          if k.startswith("vllm:spec_decode_num_accepted_tokens_per_pos_total["))
-    return {
-        "turn_p50_s": percentile(turn_times, 0.5),
-        # beside the p50: agent turns come in sizes (2 calls, 3 calls ...), and with a few turns the median
-        # can fall in the gap between two sizes, where a small shift moves it a lot
-        "turn_mean_s": statistics.mean(turn_times) if turn_times else None,
-        "turn_p90_s": percentile(turn_times, 0.9),
-        "turns_per_s": len(turn_times) / run.wall_s if run.wall_s else 0.0,
-        "call_p50_s": percentile([c.latency for c in ok], 0.5),
-        "output_tokens_per_s": sum(c.completion_tokens for c in ok) / run.wall_s if run.wall_s else 0.0,
-        "tau": m.get("specstand:emitted_tokens_total", 0.0) / passes if passes else None,
-        "tau_per_draft_vllm": 1 + accepted / drafts if drafts else None,
-        # how often the method drafted: passes that verified a draft, steps its drafter ran, and of those the
-        # probes adaptive verification found slower than plain decoding, each per target pass
-        "drafted_passes": drafts / passes if passes else None,
-        "drafter_runs": m.get("specstand:drafter_runs_total", 0.0) / passes if passes else None,
-        "probes": m.get("specstand:probes_total", 0.0) / passes if passes else None,
-        "predicted_speedup": _predicted_speedup(m),
-        "acceptance_per_position": [v / drafts for _, v in per_position] if drafts else [],
-        "broken_json": broken / len(finished) if finished else None,
-        "truncated_json": len(truncated) / len(expected_json) if expected_json else None,
-        "identical": identical / len(compared) if compared else None,
-        "failed_calls": len(records) - len(ok),
-        "calls": len(records),
-        **time_breakdown(m),
-    }
-
-
-def _predicted_speedup(m: dict[str, float]) -> float | None:
-    """Decode speedup over plain decoding that the run's own figures predict: tau x T(1 row) / (mean pass
-    cost + draft time per pass), passes with a draft costing a full verify (K + 1 rows, profiled by the
-    server at start) and the others one row. None where the server does not report these (not specstand)."""
-    passes = m.get("specstand:target_passes_total", 0.0)
-    profiled = {int(k.split("[rows=")[1][:-1]): v for k, v in m.items()
-                if k.startswith("specstand:pass_seconds_profiled[rows=")}
-    if not passes or not profiled:
-        return None
-    step, verify = profiled[min(profiled)], profiled[max(profiled)]
-    drafted = m.get("vllm:spec_decode_num_drafts_total", 0.0)
-    mean_pass = (drafted * verify + (passes - drafted) * step) / passes
-    tau = m.get("specstand:emitted_tokens_total", 0.0) / passes
-    return tau * step / (mean_pass + m.get("specstand:draft_seconds_total", 0.0) / passes)
-
-
-def summarize(runs: list[RunResult], turns: list[Turn], baseline: str) -> dict:
-    """Per target and U: the list of per-repeat summaries."""
-    calls = {(t.turn_id, c.id): c for t in turns for c in t.calls}
-    base_runs = sorted((r for r in runs if r.target == baseline), key=lambda r: (r.repeat, r.users))
-    baseline_answers = {}
-    if base_runs:
-        baseline_answers = {(c.turn_id, c.call_id): answer_key(c) for t in base_runs[0].turns for c in t.calls
-                            if not c.error}
-    out: dict[str, dict[int, list[dict]]] = {}
-    for run in runs:
-        out.setdefault(run.target, {}).setdefault(run.users, []).append(run_summary(run, calls, baseline_answers))
-    return out
-
-
-def _values(summaries: list[dict], key: str) -> list[float]:
-    return [s[key] for s in summaries if s.get(key) is not None]
-
-
-def _spread(values: list[float]) -> tuple[float, float, float] | None:
-    return (statistics.median(values), min(values), max(values)) if values else None
 
 
 def _fmt_pct(values: list[float]) -> str:
@@ -179,10 +28,10 @@ def _fmt_pct(values: list[float]) -> str:
 def _turn_time_rows(summary: dict, targets: list[str], baseline: str, u: int, key: str, label: str) -> list[str]:
     """Two rows at U=u: each target's time (median over repeats [min-max]) and its speedup over the
     baseline; ≈ where the two ranges overlap."""
-    base = _spread(_values(summary.get(baseline, {}).get(u, []), key))
+    base = spread_of(values_of(summary.get(baseline, {}).get(u, []), key))
     cells, speedups = [], []
     for t in targets:
-        spread = _spread(_values(summary.get(t, {}).get(u, []), key))
+        spread = spread_of(values_of(summary.get(t, {}).get(u, []), key))
         if spread is None:
             cells.append("–")
             speedups.append("–")
@@ -209,7 +58,7 @@ def render_markdown(summary: dict, targets: list[str], users: list[int], baselin
     ):
         cells = []
         for t in targets:
-            spread = _spread([v for u in users_for for v in _values(summary.get(t, {}).get(u, []), key)])
+            spread = spread_of([v for u in users_for for v in values_of(summary.get(t, {}).get(u, []), key)])
             cells.append(f"{spread[0]:.2f}" if spread else "–")
         rows.append(f"| {label} | " + " | ".join(cells) + " |")
     for label, key, fmt in (
@@ -219,20 +68,33 @@ def render_markdown(summary: dict, targets: list[str], users: list[int], baselin
     ):
         cells = []
         for t in targets:
-            values = [v for u in users for v in _values(summary.get(t, {}).get(u, []), key)]
+            values = [v for u in users for v in values_of(summary.get(t, {}).get(u, []), key)]
             cells.append(fmt.format(statistics.median(values)) if values else "–")
         rows.append(f"| {label} | " + " | ".join(cells) + " |")
     for label, key in (("passes that verified a draft", "drafted_passes"),
                        ("drafter runs (per pass)", "drafter_runs"), ("probes that did not pay (per pass)", "probes"),
                        ("broken JSON (finished answers)", "broken_json"),
                        ("JSON answers cut by max_tokens", "truncated_json"), (f"identical to {baseline}", "identical")):
-        rows.append(f"| {label} | " + " | ".join(
-            _fmt_pct([v for u in users for v in _values(summary.get(t, {}).get(u, []), key)]) for t in targets) + " |")
+        shares = [[v for u in users for v in values_of(summary.get(t, {}).get(u, []), key)] for t in targets]
+        rows.append(f"| {label} | " + " | ".join(_fmt_pct(values) for values in shares) + " |")
+    rows += _drafting_by_run_rows(summary, targets, users)
     failed = [sum(s["failed_calls"] for u in users for s in summary.get(t, {}).get(u, [])) for t in targets]
     rows.append("| failed calls | " + " | ".join(str(f) for f in failed) + " |")
     for u in users:
         rows += _breakdown_rows(summary, targets, u)
     return header + "\n".join(rows) + "\n"
+
+
+def _drafting_by_run_rows(summary: dict, targets: list[str], users: list[int]) -> list[str]:
+    """Each run's share of passes that verified a draft, in the order the runs ran, where any target drafted: a
+    server keeps adaptive verification's estimates across runs, so repeats that drafted unalike show here."""
+    rows = []
+    for u in users:
+        shares = [values_of(summary.get(t, {}).get(u, []), "drafted_passes") for t in targets]
+        if any(v > 0 for runs in shares for v in runs):
+            rows.append(f"| passes that verified a draft, run by run, U={u} | " + " | ".join(
+                " / ".join(f"{100 * v:.0f}%" for v in runs) if runs else "–" for runs in shares) + " |")
+    return rows
 
 
 def _breakdown_rows(summary: dict, targets: list[str], u: int) -> list[str]:
@@ -249,23 +111,23 @@ def _breakdown_rows(summary: dict, targets: list[str], u: int) -> list[str]:
         return " / ".join(f"{statistics.median(f.get(p) or 0.0 for f in found):.1f}" for p in PHASES)
 
     def tokens(runs: list[dict]) -> str:
-        computed = _values(runs, "prompt_tokens_computed")
-        reused = _values(runs, "prompt_tokens_reused")
+        computed = values_of(runs, "prompt_tokens_computed")
+        reused = values_of(runs, "prompt_tokens_reused")
         if not computed:
             return "–"
-        stored = _values(runs, "prompt_tokens_from_store")
+        stored = values_of(runs, "prompt_tokens_from_store")
         store = f" ({statistics.median(stored):.0f} from the store)" if stored else ""
         return f"{statistics.median(computed):.0f} + {statistics.median(reused):.0f}{store}"
 
     def ceiling(runs: list[dict]) -> str:
-        shares = _values(runs, "decode_share")
+        shares = values_of(runs, "decode_share")
         if not shares:
             return "–"
         share = statistics.median(shares)
         return f"{100 * share:.0f}% (x{1 / (1 - share):.2f})" if share < 1 else f"{100 * share:.0f}%"
 
     def queue(runs: list[dict]) -> str:
-        waits = _values(runs, "queue_s_per_call")
+        waits = values_of(runs, "queue_s_per_call")
         return f"{statistics.median(waits):.2f}" if waits else "–"
 
     return [f"| run seconds: {' / '.join(PHASES)}, U={u} | " + cells(phases) + " |",
@@ -331,7 +193,7 @@ def _latency_plot(plt, summary: dict, targets: list[str], users: list[int], out_
     """Turn p50 by method: lines over the user counts, or bars (median, min-max whiskers) for a single one."""
     fig, ax = plt.subplots(figsize=(6, 4))
     if len(users) == 1:
-        spreads = [(t, _spread(_values(summary.get(t, {}).get(users[0], []), "turn_p50_s"))) for t in targets]
+        spreads = [(t, spread_of(values_of(summary.get(t, {}).get(users[0], []), "turn_p50_s"))) for t in targets]
         spreads = [(t, s) for t, s in spreads if s is not None]
         ax.bar([t for t, _ in spreads], [s[0] for _, s in spreads],
                yerr=[[s[0] - s[1] for _, s in spreads], [s[2] - s[0] for _, s in spreads]], capsize=4)
@@ -340,7 +202,7 @@ def _latency_plot(plt, summary: dict, targets: list[str], users: list[int], out_
         ax.tick_params(axis="x", labelrotation=30)
         return _save(fig, out_dir / "turn_p50.png")
     for t in targets:
-        medians = {u: _values(summary.get(t, {}).get(u, []), "turn_p50_s") for u in users}
+        medians = {u: values_of(summary.get(t, {}).get(u, []), "turn_p50_s") for u in users}
         points = [(u, statistics.median(v)) for u, v in medians.items() if v]
         if points:
             ax.plot([p[0] for p in points], [p[1] for p in points], marker="o", label=t)

@@ -20,7 +20,8 @@ from tqdm import tqdm
 from specstand import kernels
 from specstand.bench.endpoints import OpenAIEndpoint
 from specstand.bench.replay import assign_turns, replay
-from specstand.bench.report import WARM_WORDS, RunResult, write_report
+from specstand.bench.report import WARM_WORDS, write_report
+from specstand.bench.summary import RunResult
 from specstand.drafters.registry import is_block_method
 from specstand.drafters.trained import read_spec, shipped_drafter
 from specstand.models.loading import encode_messages, encode_prompt, resolve_model_path

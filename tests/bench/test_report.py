@@ -1,7 +1,8 @@
 import json
 
 from specstand.bench.replay import CallRecord, TurnRecord
-from specstand.bench.report import RunResult, percentile, render_markdown, summarize, write_report
+from specstand.bench.report import render_markdown, write_report
+from specstand.bench.summary import RunResult, percentile, summarize
 from specstand.workloads import Call, Turn
 
 
@@ -68,6 +69,23 @@ def test_table_marks_differences_inside_the_spread(tmp_path):
     write_report(tmp_path / "four", {"workload": "w", "repeats": 4}, runs, workload, ["none", "fast"], [1], "none", {},
                  complete=True)
     assert "may understate" not in (tmp_path / "four" / "report.md").read_text()  # enough repeats: no caution
+
+
+def test_each_runs_drafting_is_listed_in_the_order_the_runs_ran():
+    """A server keeps adaptive verification's estimates across runs: a first run that drafted less than the
+    others shows in its own cell, not only in the median."""
+    workload = [Turn("t0", [Call(id="a", prompt="p")])]
+
+    def drafted(drafts: int) -> dict:
+        return {"specstand:target_passes_total": 10, "specstand:emitted_tokens_total": 10 + drafts,
+                "vllm:spec_decode_num_drafts_total": drafts}
+
+    runs = [_run("none", 1, 0, 1.0, ["x"]), _run("none", 1, 1, 1.0, ["x"]),
+            _run("suffix", 1, 0, 1.0, ["x"], drafted(3)), _run("suffix", 1, 1, 1.0, ["x"], drafted(7))]
+    table = render_markdown(summarize(runs, workload, "none"), ["none", "suffix"], [1], "none", {})
+    assert "| passes that verified a draft, run by run, U=1 | – | 30% / 70% |" in table
+    quiet = [_run("none", 1, 0, 1.0, ["x"], drafted(0)), _run("peer", 1, 0, 1.0, ["x"])]
+    assert "run by run" not in render_markdown(summarize(quiet, workload, "none"), ["none", "peer"], [1], "none", {})
 
 
 def test_predicted_speedup_from_acceptance_and_profiled_costs():

@@ -379,7 +379,7 @@ class AdaptiveVerifier:
         step = self._step
         step.tokens += 1 + accepted
         step.observed += 1
-        if step.observed == step.requests and step.tokens / step.seconds >= step.requests / step.plain_seconds:
+        if step.observed == step.requests and step.tokens * step.plain_seconds >= step.requests * step.seconds:
             self._pause, self._backoff, self._misses, self._paid = 0, 0, 0, True
 
     def lag(self, request_id: int) -> float:

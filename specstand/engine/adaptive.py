@@ -306,7 +306,7 @@ class AdaptiveVerifier:
             counts = [len(d.tokens) for d in drafts]
         drafted_keys = keys + sum(n * c for n, c in zip(counts, contexts, strict=True))
         drafted_pass = self.pass_cost(requests + sum(counts), drafted_keys)
-        self._step = _Step(this_draft + drafted_pass, plain_seconds, requests, probe=self._probe_step)
+        self._step = _Step(this_draft + drafted_pass, plain_seconds, requests)
         if budgeted:
             self._pause_if_plain_is_faster(requests, expected, drafted_pass, plain_seconds, this_draft)
         return [d.cut(n) for d, n in zip(drafts, counts, strict=True)]
@@ -363,7 +363,7 @@ class AdaptiveVerifier:
             ledger.tokens += 1 + accepted
             if self._step is not None:  # a drafting step: what it cost beyond plain passes for these tokens
                 ledger.lag += self._step.seconds - (1 + accepted) * self._step.plain_seconds
-        if self._step is not None and self._step.probe:
+        if self._probe_step and self._step is not None:
             self._judge_probe(accepted)
         if draft.tokens:
             self.acceptance.observe(_confidence(draft), len(draft.tokens), accepted, draft.calibrated)
@@ -394,8 +394,7 @@ class _Step:
     seconds: float  # this step's drafting plus the pass of every row kept
     plain_seconds: float  # one plain pass of the same requests
     requests: int
-    probe: bool = False  # the first drafting step after a pause: judged on its outcomes too
-    tokens: int = 0  # what its requests got, as their outcomes come in
+    tokens: int = 0  # what its requests got, as their outcomes come in (a probe is judged on them)
     observed: int = 0
 
 

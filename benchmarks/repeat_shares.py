@@ -16,15 +16,14 @@ import argparse
 import json
 from pathlib import Path
 
+from specstand.bench.summary import drafting
+
 
 def run_line(run: dict) -> str:
-    metrics = run["metrics_delta"]
-    passes = metrics.get("specstand:target_passes_total", 0.0)
-    if not passes:
+    figures = drafting(run["metrics_delta"])
+    if figures["tau"] is None:
         return f"{run['wall_s']:.1f}s (no specstand metrics)"
-    verified = passes - metrics.get("specstand:passes_without_draft_total", passes)
-    tau = metrics.get("specstand:emitted_tokens_total", 0.0) / passes
-    return f"{verified / passes:4.0%} tau {tau:.2f} {run['wall_s']:.1f}s"
+    return f"{figures['drafted_passes']:4.0%} tau {figures['tau']:.2f} {run['wall_s']:.1f}s"
 
 
 def main() -> None:

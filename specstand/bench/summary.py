@@ -90,11 +90,6 @@ def run_summary(run: RunResult, calls: dict[tuple[str, str], Call], baseline_ans
     compared = [c for c in ok if (c.turn_id, c.call_id) in baseline_answers]
     identical = sum(answer_key(c) == baseline_answers[(c.turn_id, c.call_id)] for c in compared)
     m = run.metrics_delta
-    passes = m.get("specstand:target_passes_total", 0.0)
-    drafts = m.get("vllm:spec_decode_num_drafts_total", 0.0)
-    accepted = m.get("vllm:spec_decode_num_accepted_tokens_total", 0.0)
-    per_position = sorted((int(k.split("[")[1][:-1]), v) for k, v in m.items()
-                          if k.startswith("vllm:spec_decode_num_accepted_tokens_per_pos_total["))
     return {
         "turn_p50_s": percentile(turn_times, 0.5),
         # beside the p50: agent turns come in sizes (2 calls, 3 calls ...), and with a few turns the median
@@ -104,21 +99,34 @@ def run_summary(run: RunResult, calls: dict[tuple[str, str], Call], baseline_ans
         "turns_per_s": len(turn_times) / run.wall_s if run.wall_s else 0.0,
         "call_p50_s": percentile([c.latency for c in ok], 0.5),
         "output_tokens_per_s": sum(c.completion_tokens for c in ok) / run.wall_s if run.wall_s else 0.0,
-        "tau": m.get("specstand:emitted_tokens_total", 0.0) / passes if passes else None,
-        "tau_per_draft_vllm": 1 + accepted / drafts if drafts else None,
-        # how often the method drafted: passes that verified a draft, steps its drafter ran, and of those the
-        # probes adaptive verification found slower than plain decoding, each per target pass
-        "drafted_passes": drafts / passes if passes else None,
-        "drafter_runs": m.get("specstand:drafter_runs_total", 0.0) / passes if passes else None,
-        "probes": m.get("specstand:probes_total", 0.0) / passes if passes else None,
-        "predicted_speedup": _predicted_speedup(m),
-        "acceptance_per_position": [v / drafts for _, v in per_position] if drafts else [],
+        **drafting(m),
         "broken_json": broken / len(finished) if finished else None,
         "truncated_json": len(truncated) / len(expected_json) if expected_json else None,
         "identical": identical / len(compared) if compared else None,
         "failed_calls": len(records) - len(ok),
         "calls": len(records),
         **time_breakdown(m),
+    }
+
+
+def drafting(m: dict[str, float]) -> dict:
+    """What a run's metrics say of its drafting: tau over all passes and vLLM's per draft; how often the method
+    drafted (passes that verified a draft, steps its drafter ran, and of those the probes adaptive verification
+    found slower than plain decoding, each per target pass); the decode speedup its own figures predict; and
+    acceptance per draft position. None (or []) where the server does not export them."""
+    passes = m.get("specstand:target_passes_total", 0.0)
+    drafts = m.get("vllm:spec_decode_num_drafts_total", 0.0)
+    accepted = m.get("vllm:spec_decode_num_accepted_tokens_total", 0.0)
+    per_position = sorted((int(k.split("[")[1][:-1]), v) for k, v in m.items()
+                          if k.startswith("vllm:spec_decode_num_accepted_tokens_per_pos_total["))
+    return {
+        "tau": m.get("specstand:emitted_tokens_total", 0.0) / passes if passes else None,
+        "tau_per_draft_vllm": 1 + accepted / drafts if drafts else None,
+        "drafted_passes": drafts / passes if passes else None,
+        "drafter_runs": m.get("specstand:drafter_runs_total", 0.0) / passes if passes else None,
+        "probes": m.get("specstand:probes_total", 0.0) / passes if passes else None,
+        "predicted_speedup": _predicted_speedup(m),
+        "acceptance_per_position": [v / drafts for _, v in per_position] if drafts else [],
     }
 
 

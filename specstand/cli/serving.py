@@ -184,8 +184,10 @@ def cmd_serve(args: argparse.Namespace) -> None:
                           tool_call_parser=parser, api_key=args.api_key,
                           prefix_store_bytes=store)
     app, worker = build_server(lambda: load_model(args.model, args.dtype, args.max_seq_len, log=log), config)
-    drafting = (f"K={worker.engine.config.num_speculative_tokens}, "
-                + ("adaptive verification" if args.adaptive else "fixed K")) if args.method != "none" else "no drafts"
+    drafting = "no drafts"
+    if args.method != "none":
+        verification = "adaptive verification" if args.adaptive else "fixed K"
+        drafting = f"K={worker.engine.config.num_speculative_tokens}, {verification}"
     if not worker.engine.exact:
         log(f"{args.model}: not exact here (pass shapes round differently): drafts may change greedy answers")
     tools = f", tool calls read as {parser}" if parser else ""

@@ -11,6 +11,7 @@ ROOT="$(cd "$(dirname "$0")/.." && pwd)"
 BASE="$(cd "${1:?usage: ab_servers.sh BASE_TREE OUT_DIR}" && pwd)"
 OUT="${2:?usage: ab_servers.sh BASE_TREE OUT_DIR}"
 PYTHON="$ROOT/.venv/bin/python"
+source "$ROOT/benchmarks/wait_ready.sh"
 MODEL="${MODEL:-smollm2-135m}"
 DTYPE="${DTYPE:-q8_0}"  # pinned: dtype auto measures at start, and would mix two effects
 WORKLOAD="$(realpath "${WORKLOAD:-$ROOT/out/demo/workload.jsonl}")"
@@ -28,10 +29,7 @@ for side in old new; do
     (cd / && PYTHONPATH="$tree" exec "$PYTHON" -m specstand.cli serve --model "$MODEL" --method "$method" \
       --dtype "$DTYPE" --max-seq-len 4096 --max-batch 4 --port $port) > "$OUT/serve-$side-$method.log" 2>&1 &
     pids+=($!)
-    until curl -sf "http://127.0.0.1:$port/health" > /dev/null; do
-      kill -0 "${pids[-1]}" 2>/dev/null || { echo "the $side $method server exited: see $OUT/serve-$side-$method.log" >&2; exit 1; }
-      sleep 1
-    done
+    wait_ready $port "${pids[-1]}" "$OUT/serve-$side-$method.log"
     endpoints+=(--endpoint "$side-$method=http://127.0.0.1:$port")
   done
 done

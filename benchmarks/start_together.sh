@@ -24,12 +24,7 @@ serve() {  # serve GROUP METHOD PORT: one server in the background, its log in O
     > "$OUT/serve-$1-$2.log" 2>&1 &
   pids+=($!)
 }
-wait_ready() {  # wait_ready PORT PID: until the server answers, or stop if it exited
-  until curl -sf "http://127.0.0.1:$1/health" > /dev/null; do
-    kill -0 "$2" 2>/dev/null || { echo "the server on port $1 exited: see its log in $OUT" >&2; exit 1; }
-    sleep 1
-  done
-}
+source "$ROOT/benchmarks/wait_ready.sh"
 record_costs() {  # record_costs WHEN: each server's profiled and corrected pass seconds on /metrics
   local port=8300 group m
   for group in together alone; do
@@ -43,9 +38,9 @@ record_costs() {  # record_costs WHEN: each server's profiled and corrected pass
 
 port=8300
 for m in "${methods[@]}"; do serve together "$m" $((port += 1)); done  # all at once
-for ((i = 0; i < ${#methods[@]}; i++)); do wait_ready $((8301 + i)) "${pids[i]}"; done
+for ((i = 0; i < ${#methods[@]}; i++)); do wait_ready $((8301 + i)) "${pids[i]}" "$OUT/serve-together-${methods[i]}.log"; done
 for m in "${methods[@]}"; do
-  serve alone "$m" $((port += 1)); wait_ready $port "${pids[-1]}"  # the next starts once this one is serving
+  serve alone "$m" $((port += 1)); wait_ready $port "${pids[-1]}" "$OUT/serve-alone-$m.log"  # then the next starts
 done
 : > "$OUT/pass_costs.txt"
 record_costs "after start"

@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from specstand.runner.generic import ModuleCache
 from specstand.runner.kv_cache import KVCache
 
 STORE_BLOCK = 16  # tokens per stored block where any head length is exact (compiled prompts)
@@ -130,7 +131,7 @@ class PrefixStore:
 
 def store_off_reason(cache: object) -> str | None:
     """Why the store cannot hold this cache's heads (None: it can)."""
-    if not isinstance(cache, KVCache):
+    if isinstance(cache, ModuleCache) or not isinstance(cache, KVCache):  # a ModuleCache is a KVCache of no K/V
         return "the fallback forward's module cache is not K/V tensors the store can copy"
     if getattr(cache, "state_specs", None):
         return ("recurrent layers' state is kept only at a slot's own checkpoints, and a checkpoint per stored "

@@ -64,3 +64,16 @@ def test_the_engine_says_whether_the_fallback_is_exact_and_answers(name):
     assert all(r.finish_reason in ("stop", "length") for r in results)
     if drafted.exact:
         assert [r.output_ids for r in results] == baseline
+
+
+def test_the_fallback_keeps_no_prefix_store_and_a_repeated_prompt_answers_as_cold():
+    """The module's cache is not K/V tensors the store can copy: a head it kept would be positions without K/V.
+    A prompt served again after its slot went to another prompt answers as it did cold."""
+    model = TransformersModel(_model("gpt_neox"), 512)
+    first, other = random_prompts(2, 100, seed=5)
+    engine = Engine(model, None, EngineConfig(5, 256, 1, prefix_store_bytes=1 << 26))
+    assert engine.prefix_cache.store_off_reason is not None
+    cold = [r.output_ids for r in Engine(model, None, EngineConfig(5, 256, 1)).generate([Request(first, 16)])]
+    for prompt in (first, other, first):
+        answer = engine.generate([Request(prompt, 16)])[0].output_ids
+    assert [answer] == cold

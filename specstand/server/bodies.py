@@ -58,18 +58,17 @@ class SamplingFields(BaseModel):
     logit_bias: dict[str, float] | None = None
     response_format: dict[str, Any] | None = None
 
-    def unsupported(self) -> str | None:
-        """The first field set to something the engine does not do, or None."""
-        if self.logprobs or self.top_logprobs:
-            return "logprobs"
+    def unsupported(self) -> list[str]:
+        """Every field set to something the engine does not do."""
+        fields = ["logprobs"] if self.logprobs or self.top_logprobs else []
         for name, neutral in (("presence_penalty", 0.0), ("frequency_penalty", 0.0), ("repetition_penalty", 1.0)):
             if getattr(self, name) != neutral:
-                return name
+                fields.append(name)
         if self.logit_bias:
-            return "logit_bias"
+            fields.append("logit_bias")
         if self.response_format and self.response_format.get("type", "text") != "text":
-            return "response_format"
-        return None
+            fields.append("response_format")
+        return fields
 
     def stop_strings(self) -> list[str]:
         stops = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])

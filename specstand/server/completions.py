@@ -61,9 +61,10 @@ class Completer:
     def check(self, body: SamplingFields) -> None:
         if body.model not in (None, self.served_name):
             raise Refused(404, f"model {body.model!r} does not exist (serving {self.served_name!r})", "model")
-        field = body.unsupported()
-        if field:
-            raise Refused(400, f"{field} is not supported by this server", field)
+        fields = body.unsupported()
+        if fields:
+            raise Refused(400, f"{', '.join(fields)} {'is' if len(fields) == 1 else 'are'} not supported by this "
+                          "server", fields[0])
         if prompt_chars(body) > self.limits.max_prompt_chars:
             raise Refused(400, f"the prompt is over {self.limits.max_prompt_chars} characters", "messages")
 

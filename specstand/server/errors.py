@@ -25,8 +25,16 @@ def add_error_handlers(app: FastAPI) -> None:
     """Bodies that fail validation, FastAPI's own HTTP errors and `Refused` all answer in OpenAI's shape."""
 
     @app.exception_handler(RequestValidationError)
-    async def bad_request(_: HttpRequest, error: RequestValidationError) -> JSONResponse:
+    async def bad_request(request: HttpRequest, error: RequestValidationError) -> JSONResponse:
         first = error.errors()[0]
+        if first.get("type") == "json_invalid":  # loc holds the character where parsing stopped, not a field
+            where = first.get("loc", (None, "?"))[-1]
+            reason = first.get("ctx", {}).get("error", first.get("msg"))
+            return error_response(400, f"the request body is not valid JSON (character {where}: {reason})",
+                                  "invalid_request_error")
+        if isinstance(first.get("input"), bytes) and "json" not in request.headers.get("content-type", ""):
+            return error_response(400, "the request body must be JSON sent with Content-Type: application/json",
+                                  "invalid_request_error")
         where = ".".join(str(p) for p in first.get("loc", ()) if p != "body")
         return error_response(400, f"{where or 'body'}: {first.get('msg')}", "invalid_request_error", where or None)
 

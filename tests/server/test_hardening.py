@@ -254,3 +254,16 @@ def test_an_agent_loop_through_the_openai_client(server):
     assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == text
     with pytest.raises(openai.BadRequestError, match="logprobs"):
         server.client.chat.completions.create(model=served, messages=messages, max_tokens=4, logprobs=True)
+
+
+def test_a_body_the_server_cannot_read_is_answered_with_what_to_fix(server):
+    url = server.url + "/v1/chat/completions"
+    broken = httpx.post(url, content=b'{"messages": [,]}', headers={"content-type": "application/json"}, timeout=30)
+    assert broken.status_code == 400
+    assert broken.json()["error"]["message"].startswith("the request body is not valid JSON (character 14")
+    untyped = httpx.post(url, content=json.dumps(OK).encode(),
+                         headers={"content-type": "application/x-www-form-urlencoded"}, timeout=30)
+    assert untyped.status_code == 400 and "Content-Type: application/json" in untyped.json()["error"]["message"]
+    both = httpx.post(url, json={**OK, "presence_penalty": 0.5, "logit_bias": {"5": 10}}, timeout=30).json()["error"]
+    assert both["message"] == "presence_penalty, logit_bias are not supported by this server"
+    assert both["param"] == "presence_penalty"

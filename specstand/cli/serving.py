@@ -7,6 +7,7 @@ import gc
 import json
 import logging
 import os
+import socket
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -175,6 +176,8 @@ def cmd_serve(args: argparse.Namespace) -> None:
     if not 0 <= args.port < 2**16:
         raise CliError(f"--port must be in [0, 65535], not {args.port}")
     parser = _tool_call_parser(args)
+    listening = _listening_socket(args.host, args.port)  # before the model loads: a taken port fails at once
+    port = listening.getsockname()[1]
     # the server's failures go to stderr with their tracebacks (uvicorn keeps its own handlers)
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     limits = ServerLimits(args.max_body_bytes, args.max_prompt_chars, args.request_timeout)
@@ -193,7 +196,7 @@ def cmd_serve(args: argparse.Namespace) -> None:
     tools = f", tool calls read as {parser}" if parser else ""
     key = ", API key required" if args.api_key else ""
     log(f"serving {args.model} with method {args.method} ({drafting}{tools}{key}{_store_words(worker.engine)}) "
-        f"on http://{args.host}:{args.port}")
+        f"on http://{args.host}:{port}")
     # What start-up built (torch, the model, the server) lives as long as the process: kept out of the cyclic
     # collector's full collections, which scanned it all on the engine thread (0.1-0.2 s pauses, several a
     # minute, measured at 4 users on SmolLM2)
@@ -201,9 +204,23 @@ def cmd_serve(args: argparse.Namespace) -> None:
     try:
         # keep-alive well past the 5 s an httpx client (the openai SDK's) keeps an idle connection: a server
         # that closes first can close one just as the client sends a call on it
-        uvicorn.run(app, host=args.host, port=args.port, log_level="warning", timeout_keep_alive=KEEP_ALIVE_S)
+        server = uvicorn.Server(uvicorn.Config(app, log_level="warning", timeout_keep_alive=KEEP_ALIVE_S))
+        server.run(sockets=[listening])
     finally:
         worker.stop()
+
+
+def _listening_socket(host: str, port: int) -> socket.socket:
+    """A socket bound to host:port and listening (port 0: a free one), or a CliError that says why not."""
+    try:
+        family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
+        listening = socket.socket(family, socket.SOCK_STREAM)
+        listening.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        listening.bind((host, port))
+        listening.listen(2048)
+    except OSError as error:
+        raise CliError(f"cannot listen on {host}:{port}: {error.strerror or error}") from None
+    return listening
 
 
 def _store_words(engine) -> str:

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import socket
+from types import SimpleNamespace
 
 import pytest
 
@@ -130,6 +132,7 @@ def _serve_config(monkeypatch, *argv: str):
     """What `specstand serve ARGV` would load and serve, without loading or serving."""
     import specstand.models
     import specstand.server
+    from specstand.cli import serving
 
     seen = {}
     monkeypatch.setattr(specstand.models, "load_model",
@@ -140,6 +143,9 @@ def _serve_config(monkeypatch, *argv: str):
         raise _Stop
 
     monkeypatch.setattr(specstand.server, "build_server", build)
+    # no port is taken: the socket it would listen on is a stand-in that names the port asked for
+    monkeypatch.setattr(serving, "_listening_socket",
+                        lambda host, port: SimpleNamespace(getsockname=lambda: (host, port)))
     with pytest.raises(_Stop):
         main(["serve", *argv])
     return seen["load"], seen["config"]
@@ -162,6 +168,16 @@ def test_serve_takes_vllm_spellings(monkeypatch):
     monkeypatch.setenv("SPECSTAND_API_KEY", "from-env")
     assert _serve_config(monkeypatch, "m1")[1].api_key == "from-env"
     assert _serve_config(monkeypatch, "m1", "--api-key", "flag")[1].api_key == "flag"
+
+
+def test_serve_on_a_taken_port_says_so_before_loading_the_model(capsys, tiny_model_dir):
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen(1)
+        port = taken.getsockname()[1]
+        code, _, err = run_cli(capsys, "serve", "--model", str(tiny_model_dir), "--port", str(port))
+    assert code != 0 and err.strip().splitlines() == [f"specstand: error: cannot listen on 127.0.0.1:{port}: "
+                                                      "Address already in use"]
 
 
 def test_tool_call_parser_names_match_the_server():

@@ -94,16 +94,18 @@ class OpenAIEndpoint:
             return None
         return [sample for family in text_string_to_metric_families(reply.text) for sample in family.samples]
 
-    async def wait_idle(self, timeout_s: float = 10.0, poll_s: float = 0.05) -> bool:
+    async def wait_idle(self, timeout_s: float = 10.0, poll_s: float = 0.05) -> bool | None:
         """Wait until the server runs and queues no request, as its gauges tell (specstand's, vLLM's): the calls
         a replay cancelled at its end are aborted only once the server notices the client gone, and the next
-        run should not share the server with them. True once idle; False past the timeout, or at once where the
+        run should not share the server with them. True once idle; False past the timeout; None at once where the
         server shows no such gauge."""
         deadline = time.monotonic() + timeout_s
         while True:
             in_flight = await self._requests_in_flight()
-            if in_flight is None or in_flight == 0:
-                return in_flight == 0
+            if in_flight is None:
+                return None
+            if in_flight == 0:
+                return True
             if time.monotonic() > deadline:
                 return False
             await asyncio.sleep(poll_s)

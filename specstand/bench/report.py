@@ -1,9 +1,11 @@
 """Aggregate replay runs into the report: report.json (raw), report.md (the table), PNG plots.
 
-Table shape follows seed 000: methods as columns; rows K, turn p50 per U (median over repeats with its
-[min-max] spread), speedup vs the baseline, turns/s at the top U, tau over all passes, vLLM's per-draft
-tau, broken JSON, identical answers. A method whose spread overlaps the baseline's is marked "≈": the
-difference is inside the noise. The numbers of each run come from summary.py.
+One table per warm state, methods as columns (as the stand the project grew from laid it out): rows K, turn
+p50 and mean per U (median over repeats with its [min-max] spread) and their speedups over the baseline,
+turns/s, tau over all passes and vLLM's per-draft tau, drafting shares, broken JSON, identical answers, and
+where each run's time went (engine phases, prompt tokens computed and reused, waits for a slot). A method
+whose spread overlaps the baseline's is marked "≈": the difference is inside the noise. The numbers of each
+run come from summary.py.
 """
 
 from __future__ import annotations

@@ -22,8 +22,6 @@ from specstand.bench.endpoints import OpenAIEndpoint
 from specstand.bench.replay import assign_turns, replay
 from specstand.bench.report import WARM_WORDS, write_report
 from specstand.bench.summary import RunResult
-from specstand.drafters.registry import is_block_method
-from specstand.drafters.trained import read_spec, shipped_drafter
 from specstand.models.loading import encode_messages, encode_prompt, resolve_model_path
 from specstand.workloads import Call, Turn
 
@@ -34,7 +32,8 @@ SERVER_START_TIMEOUT_S = 600
 # the same agent before: an agent's every call repeats its system prompt and tools), or "none" (cold).
 WARM_STATES = tuple(WARM_WORDS)
 FIXED = "@fixed"  # a bench method name's suffix: serve that method at fixed K (adaptive verification is the default)
-GAUGES = ("specstand:prefix_store_bytes", "specstand:tau", "specstand:requests_waiting", "specstand:exact")
+GAUGES = ("specstand:prefix_store_bytes", "specstand:tau", "specstand:requests_waiting", "specstand:exact",
+          "specstand:num_speculative_tokens")
 
 
 def bench_method(name: str) -> str:
@@ -136,18 +135,14 @@ def start_server(method: str, model: str, k: int | None, max_batch: int, dtype: 
            "--served-model-name", model]
     if speculative_config is not None:
         cmd += ["--speculative-config", speculative_config]
-        config = json.loads(speculative_config)
-        k = config.get("num_speculative_tokens") or 5
     else:
         base = method.removesuffix(FIXED)
         cmd += ["--method", base] + (["--no-adaptive"] if base != method else [])
         cmd += ["--k", str(k)] if k is not None else []
         cmd += ["--drafter", str(drafter)] if drafter is not None else []
-        if k is None and base != "none":
-            k = _default_k(base, model, drafter)
     with log.open("w") as sink:
         process = subprocess.Popen(cmd, stdout=sink, stderr=subprocess.STDOUT, env=os.environ.copy())
-    return Target(method, f"http://127.0.0.1:{port}", k if method != "none" else None, process, log)
+    return Target(method, f"http://127.0.0.1:{port}", None, process, log)  # its K: on its /metrics
 
 
 def workload_context(turns: list[Turn], model: str, k: int) -> int:
@@ -166,13 +161,6 @@ def workload_context(turns: list[Turn], model: str, k: int) -> int:
         longest = max(longest, tokens + call.max_tokens + k + 1)
     limit = getattr(AutoConfig.from_pretrained(path), "max_position_embeddings", None) or longest
     return min(-(-longest // 256) * 256, limit)
-
-
-def _default_k(method: str, model: str, drafter: Path | None) -> int:
-    folder = drafter or shipped_drafter(model, method)
-    if folder is not None and is_block_method(method):
-        return read_spec(folder).block_drafts
-    return 5
 
 
 def wait_ready(target: Target) -> None:
@@ -252,6 +240,14 @@ def _session_alive(pid: int) -> bool:
     return True
 
 
+async def _served_k(target: Target, endpoint: OpenAIEndpoint) -> int | str:
+    """K as the server reports it (specstand's servers: on /metrics), else as the bench was told ("–": none)."""
+    served = (await endpoint.scrape_metrics()).get("specstand:num_speculative_tokens")
+    if served is not None:
+        return int(served) if served > 0 else "–"
+    return target.k if target.k is not None else "–"
+
+
 async def _settle(targets: list[Target], endpoints: dict[str, OpenAIEndpoint], first: Turn,
                   report_config: dict) -> tuple[dict[str, bool], list[Target]]:
     """Serve every target the workload's first turn, not recorded (first-call costs and learning stay out of
@@ -274,7 +270,7 @@ async def run_bench(targets: list[Target], turns: list[Turn], config: BenchConfi
     endpoints = {t.name: OpenAIEndpoint(t.url, api_key=config.api_key) for t in targets}
     names = [t.name for t in targets]
     told: set[str] = set()  # the targets whose server was found gone
-    k_by_target = {t.name: t.k if t.k is not None else "–" for t in targets}
+    k_by_target: dict[str, int | str] = {}
     runs: list[RunResult] = []
     # the machine beside the figures: read bandwidth drifts where neighbours share the host
     machine = {**kernels.machine(), "read_gbs_start": round(kernels.read_bandwidth_gbs(), 1)}
@@ -292,6 +288,8 @@ async def run_bench(targets: list[Target], turns: list[Turn], config: BenchConfi
     per_run = {u: sum(len(own) for own in assign_turns(turns, u)) for u in config.users}
     total = config.repeats * len(targets) * len(config.warm) * sum(per_run.values())
     try:
+        for target in targets:
+            k_by_target[target.name] = await _served_k(target, endpoints[target.name])
         resets, restarted = await _settle(targets, endpoints, turns[0], report_config)
         with tqdm(total=total, unit="turn", desc="bench", file=sys.stderr) as bar:
             for repeat, warm, users in itertools.product(range(config.repeats), config.warm, config.users):
@@ -312,7 +310,9 @@ async def run_bench(targets: list[Target], turns: list[Turn], config: BenchConfi
                     before = await endpoint.scrape_metrics()
                     records, wall = await replay(turns, endpoint, users, on_turn=lambda _: bar.update(),
                                                  stagger_s=config.stagger_s)
-                    await endpoint.wait_idle()  # the fillers' cancelled calls
+                    if await endpoint.wait_idle() is False:  # the fillers' cancelled calls
+                        tqdm.write(f"bench: {name} still ran calls 10 s after the run: the next run may share it "
+                                   "with them", file=sys.stderr)
                     after = await endpoint.scrape_metrics()
                     runs.append(RunResult(name, users, repeat, wall, records, _run_delta(before, after), warm))
                     report(complete=False)

@@ -11,6 +11,7 @@ from dataclasses import asdict, dataclass, field
 
 from specstand.bench.answers import answer_is_broken, answer_key
 from specstand.bench.replay import CallRecord, TurnRecord
+from specstand.server.metrics import PHASES
 from specstand.workloads import Call, Turn
 
 
@@ -35,8 +36,6 @@ class RunResult:
                    data.get("warm", "none"))
 
 
-# where a server's engine thread spent a run (specstand:engine_seconds by phase), in the order they are drawn
-PHASES = ("prompt", "decode", "draft", "other", "idle")
 def time_breakdown(m: dict[str, float]) -> dict:
     """What a run's metrics say of where its time went: the engine's seconds by phase (specstand), prompt
     tokens computed and reused (vLLM's prefix-cache counters, which specstand exports too), and the mean

@@ -135,7 +135,7 @@ class DFlashDrafter(Drafter):
 
     @property
     def default_k(self) -> int:
-        return self.model.num_drafts  # a block's drafts: the block size - 1
+        return self.model.num_drafts  # a block's drafts: its size - 1, or all of it where drafts start at the anchor
 
     def begin(self, seq: SequenceView) -> None:
         self._context[seq.request_id] = []

@@ -232,7 +232,7 @@ class AdaptiveVerifier:
     # a step's drafting time: the median of the latest ones (a drafter's first proposal for a request also
     # reads its prompt, and the first after a pause the rows it missed: those must not set the price)
     draft_times: deque[float] = field(default_factory=lambda: deque(maxlen=15))
-    max_pause: int = 16  # the doubling pause (1, 2, 4 ... steps without drafting) stops here
+    max_pause: int = 16  # the doubling backoff (1, 2, 4 ... steps without drafting) stops here
     # a drafting step that plain decoding would have beaten is "a probe": pauses stretch until probes cost at
     # most this share of the plain steps between them (what a probe loses against plain decoding: a drafter as
     # slow as two plain steps, about 40 steps), a share halved by each further probe in a row that did not pay

@@ -38,7 +38,6 @@ class EngineConfig:
     num_speculative_tokens: int = 5  # K: the most draft tokens verified per pass
     max_seq_len: int = 2048  # cache capacity of one request: prompt + answer + K + 1
     max_batch: int = 1  # requests decoded together (cache slots)
-    exact: bool = True  # fix pass shapes so greedy output cannot depend on draft lengths
     prefix_reuse: bool = True  # start a prompt from the longest cached head (slots and store)
     # host memory for finished requests' heads beyond the slots (engine/prefix_cache.py); 0: slots only
     prefix_store_bytes: int = 0
@@ -65,13 +64,14 @@ class Engine:
         self.runner = TargetRunner(model, config.max_batch, config.max_seq_len)
         self.width = config.num_speculative_tokens + 1
         self.tap_layers = drafter.tap_layers if drafter is not None else ()
-        self.row_unit = row_unit(self.runner, self.width) if config.exact else 1
+        # pass shapes fixed to whole units of rows, so greedy output cannot depend on draft lengths
+        self.row_unit = row_unit(self.runner, self.width)
         # whether greedy answers are guaranteed token-identical to plain decoding
-        self.exact = config.exact and self.row_unit != 0
+        self.exact = self.row_unit != 0
         if self.row_unit == 0 and model.exact_by_design:
             raise ExactnessError(
                 "this machine's kernels round differently for different pass shapes even when padded; "
-                "exact greedy decoding is not possible here (run without exact mode)"
+                "exact greedy decoding is not possible here, and this target is served exactly or not at all"
             )
         self.row_unit = self.row_unit or 1  # the fallback forward runs on, not exact, and says so
         # Prefix reuse. Where prompt rows compute exactly as decode rows (the compiled forward takes prompts),

@@ -13,6 +13,7 @@ import hashlib
 import os
 import shutil
 import statistics
+import subprocess
 import sys
 import time
 from collections.abc import Iterator
@@ -41,7 +42,8 @@ def _cache_dir(digest: str) -> Path:
 @cache
 def load() -> ModuleType:
     """The compiled extension (built once per source version, then loaded from the cache)."""
-    if shutil.which(os.environ.get("CXX", "c++")) is None:
+    compiler = os.environ.get("CXX", "c++")
+    if shutil.which(compiler) is None:
         raise KernelsUnavailable("no C++ compiler on PATH (install gcc/g++); using the Python forward")
     from torch.utils import cpp_extension
 
@@ -50,6 +52,8 @@ def load() -> ModuleType:
     for name in (*SOURCES, *HEADERS):
         digest.update((folder / name).read_bytes())
     digest.update(f"{torch.__version__} {sys.version_info[:2]}".encode())
+    # another compiler (CXX) or version builds anew rather than loading what the last one built
+    digest.update(subprocess.run([compiler, "--version"], capture_output=True, text=True).stdout.encode())
     key = digest.hexdigest()[:16]
     build = _cache_dir(key)
     build.mkdir(parents=True, exist_ok=True)

@@ -55,6 +55,7 @@ def build_server(load_model: Callable[[], LoadedModel], config: ServerConfig):
                                                              adaptive=config.adaptive, prefix_store_bytes=store))
         metrics = ServerMetrics(config.name_in_api(model))
         metrics.set_exact(engine.exact)
+        metrics.set_num_speculative_tokens(k if drafter is not None else 0)
         cost = engine.pass_cost()  # for the stand's predicted speedup: a plain step and a full verify
         for rows in sorted({1, engine.width}):
             metrics.set_pass_seconds(rows, cost(rows))

@@ -55,6 +55,8 @@ class ServerMetrics:
         self.pass_estimated = Gauge("specstand:pass_seconds_estimated", "A target pass's seconds by rows as "
                                     "adaptive verification prices it now: the start-up profile as the passes run "
                                     "have corrected it.", [*labels, "rows"], registry=r)
+        self.num_speculative_tokens = Gauge("specstand:num_speculative_tokens", "K: the most draft tokens a pass "
+                                            "verifies for a request (0: no drafter).", labels, registry=r)
         self.exact = Gauge("specstand:exact", "1 where greedy answers are token-identical to plain decoding by "
                            "construction (checked at start); 0 on the fallback forward where the check failed: "
                            "the stand's identical-answer rate then says how often drafts changed an answer.",
@@ -100,6 +102,9 @@ class ServerMetrics:
 
     def set_store_bytes(self, nbytes: int) -> None:
         self.store_bytes.labels(self._model).set(nbytes)
+
+    def set_num_speculative_tokens(self, k: int) -> None:
+        self.num_speculative_tokens.labels(self._model).set(k)
 
     def set_exact(self, exact: bool) -> None:
         self.exact.labels(self._model).set(int(exact))

@@ -204,7 +204,7 @@ class ToolCallStream:
         items: list[str | ToolCall] = []
         text = self._text
         while self._done < len(text):
-            candidate = self._next_candidate(text, self._done, final)
+            candidate = self._next_candidate(text, self._done)
             if candidate is None:  # no call starts in the rest, bar a possible partial opener at the end
                 hold = 0 if final else self._held_tail(text[self._done:])
                 self._content(text[self._done:len(text) - hold], items)
@@ -246,8 +246,8 @@ class ToolCallStream:
         openers = [TAG_OPEN] + ([FENCE] if self.parser == "json" else [])
         return max(_partial_suffix(rest, literal) for literal in openers)
 
-    def _next_candidate(self, text: str, start: int, final: bool) -> _Candidate | None:
-        found = [c for c in (self._tag(text, start), *self._json_forms(text, start, final)) if c is not None]
+    def _next_candidate(self, text: str, start: int) -> _Candidate | None:
+        found = [c for c in (self._tag(text, start), *self._json_forms(text, start)) if c is not None]
         return min(found, key=lambda c: c.start) if found else None
 
     def _tag(self, text: str, start: int) -> _Candidate | None:
@@ -260,12 +260,12 @@ class ToolCallStream:
             return _Candidate(at, None, text[body_start:])
         return _Candidate(at, close + len(TAG_CLOSE), text[body_start:close])
 
-    def _json_forms(self, text: str, start: int, final: bool) -> list[_Candidate | None]:
+    def _json_forms(self, text: str, start: int) -> list[_Candidate | None]:
         if self.parser != "json":
             return []
-        return [self._fence(text, start, final), self._bare(text, start)]
+        return [self._fence(text, start), self._bare(text, start)]
 
-    def _fence(self, text: str, start: int, final: bool) -> _Candidate | None:
+    def _fence(self, text: str, start: int) -> _Candidate | None:
         at = text.find(FENCE, start)
         if at < 0:
             return None

@@ -5,7 +5,7 @@ Its own module so that the trainer and the objectives both read it without impor
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from specstand.drafters.registry import is_block_method, trained_methods
 
@@ -40,8 +40,6 @@ class TrainConfig:
     selector_top_k: int = 16  # dflash2
     selector_alpha: float = 1.0  # dflash2: weight of the ranker's loss beside the unary one
     train_steps: int = 3  # eagle3/mtp: unrolled training-time-test steps
-    step_decay: float = 0.0  # eagle3/mtp: weight of step s is decay**(s-1); 0: method default
-    extra: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if self.method not in trained_methods():
@@ -63,4 +61,5 @@ class TrainConfig:
 
     @property
     def decay(self) -> float:
-        return self.step_decay or {"eagle3": 0.8, "mtp": 0.6}.get(self.method, 1.0)
+        """eagle3/mtp: the weight of unrolled step s is decay**(s-1)."""
+        return {"eagle3": 0.8, "mtp": 0.6}.get(self.method, 1.0)

@@ -85,7 +85,7 @@ def learning_rate(config: TrainConfig, step: int) -> float:
 
 
 # what a resumed run may change: how long it trains, how often it saves, where the folder is, the card
-RESUMABLE_CHANGES = {"steps", "save_every", "out", "extra"}
+RESUMABLE_CHANGES = {"steps", "save_every", "out"}
 
 
 def _save_state(out: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer, step: int,
@@ -108,8 +108,8 @@ def _load_state(path: Path, config: TrainConfig) -> dict | None:
     except Exception as error:  # noqa: BLE001 - any unreadable file: say which and why, once
         raise ValueError(f"cannot resume from {path}: {type(error).__name__}: {str(error).splitlines()[0]}") from None
     saved, wanted = state.get("config", {}), asdict(config)
-    changed = sorted(k for k in wanted.keys() | saved.keys()
-                     if k not in RESUMABLE_CHANGES and saved.get(k) != wanted.get(k))
+    # a setting the saved run has and this version no longer does cannot change the run
+    changed = sorted(k for k in wanted if k not in RESUMABLE_CHANGES and saved.get(k) != wanted[k])
     if changed:
         first = changed[0]
         raise ValueError(f"{path.parent} holds a run with {first}={saved.get(first)!r}, not {wanted.get(first)!r}"
@@ -298,8 +298,7 @@ class _Run:
         """A checkpoint after `steps` steps, its card's figures in the spec."""
         self.spec.trained = {"data": self.meta, "steps": steps, "train_rows": len(self.rows),
                              "seconds": round(time.perf_counter() - began, 1),
-                             "last_accepted_per_position": [round(a, 3) for a in accepted.tolist()],
-                             **self.config.extra}
+                             "last_accepted_per_position": [round(a, 3) for a in accepted.tolist()]}
         _save_state(self.out, self.model, self.optimizer, steps, self.running_q, self.config,
                     time.perf_counter() - began)
 

@@ -33,6 +33,7 @@ def test_bench_runs_methods_side_by_side(tmp_path, tiny_model_dir, capsys):
     assert code == 0
     assert "| turn p50, U=2 (s) |" in printed and "| identical to none | 100.0% | 100.0% | 100.0% |" in printed
     assert "suffix@fixed" in printed
+    assert "| K | – | 5 | 5 |" in printed  # each server's K, as its /metrics reports it
     assert "## Warm: system" in printed and "## Warm: none" in printed
     assert "| run seconds: prompt / decode / draft / other / idle, U=1 |" in printed
     raw = json.loads((out / "report.json").read_text())

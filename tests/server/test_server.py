@@ -188,6 +188,7 @@ def test_metrics_use_vllm_names_and_count_what_happened(server):
     assert after["specstand:tau"] > 1.0
     assert abs(grew("specstand:draft_seconds_total") - stats["draft_seconds"]) < 1e-6
     assert after["specstand:pass_seconds_profiled"] > 0  # a plain step and a full verify, profiled at start
+    assert after["specstand:num_speculative_tokens"] == server.worker.engine.config.num_speculative_tokens == 5
     assert "specstand:pass_seconds_estimated" not in after  # fixed K: no pass is priced
 
 

@@ -18,6 +18,7 @@ from specstand.engine import GenerationResult
 
 TOOL_CALL_PARSERS = ["hermes", "json"]  # server/tool_calls.py PARSERS
 KEEP_ALIVE_S = 75  # serve: seconds an idle HTTP connection stays open
+GENERATE_QUIET_WAIT_S = 10.0  # generate: the most a one-off call waits for quiet CPUs to time its passes
 
 
 def add_parsers(commands: argparse._SubParsersAction) -> None:
@@ -96,7 +97,8 @@ def cmd_generate(args: argparse.Namespace) -> None:
     prompt_ids = model.encode_messages(messages) if messages else model.encode_prompt(args.prompt)
     drafter = make_drafter(args.method, model.decoder, args.model, args.drafter, args.ngram, model.tokenizer)
     args.k = default_k(drafter, args.k)
-    config = EngineConfig(num_speculative_tokens=args.k, max_seq_len=model.max_positions, adaptive=args.adaptive)
+    config = EngineConfig(num_speculative_tokens=args.k, max_seq_len=model.max_positions, adaptive=args.adaptive,
+                          profile_wait_s=GENERATE_QUIET_WAIT_S)
     engine = Engine(model.decoder, drafter, config)
     if not engine.exact:
         log(f"{args.model}: not exact here (pass shapes round differently): drafts may change greedy answers")

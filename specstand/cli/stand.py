@@ -36,7 +36,8 @@ def _add_workload_parser(commands: argparse._SubParsersAction) -> None:
     imp.add_argument("--max-result-chars", type=int, default=600, help="truncate recorded tool results")
     imp.add_argument("--max-tokens", type=int, default=None, help="answer budget per call")
     imp.add_argument("--spec-bench-file", type=Path, default=None,
-                     help="spec-bench: its question.jsonl (default: shared/data/spec_bench/question.jsonl)")
+                     help="spec-bench: its question.jsonl (default: shared/data/spec_bench/question.jsonl beside "
+                     "this checkout)")
     imp.add_argument("--plain", action="store_true",
                      help="spec-bench: plain-text prompts, for base models without a chat template")
     imp.add_argument("--per-category", type=int, default=None, help="spec-bench: at most this many per category")

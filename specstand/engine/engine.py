@@ -20,7 +20,7 @@ import torch
 from specstand.drafters import Draft, Drafter, HiddenRows, SequenceView
 from specstand.engine.adaptive import AdaptiveVerifier, PassCost, profile_pass_cost
 from specstand.engine.prefix_cache import PrefixCache, common_prefix
-from specstand.engine.quiet_profile import profile_when_quiet
+from specstand.engine.quiet_profile import QUIET_WAIT_S, profile_when_quiet, quiet_wait_s
 from specstand.engine.request import GenerationResult, Request, StepEvent
 from specstand.engine.running import Running, Work
 from specstand.engine.stats import DecodeStats, EngineTimes
@@ -43,6 +43,9 @@ class EngineConfig:
     prefix_store_bytes: int = 0
     # verify only the draft tokens that pay for their rows (engine/adaptive.py); False: every draft at fixed K
     adaptive: bool = True
+    # how long start-up may wait for quiet CPUs to time its passes (SPECSTAND_QUIET_WAIT_S overrides it): a
+    # server answers for hours, a one-off generate should not wait minutes
+    profile_wait_s: float = QUIET_WAIT_S
 
     def __post_init__(self) -> None:
         if self.num_speculative_tokens < 0:
@@ -309,7 +312,8 @@ class Engine:
         try:
             max_rows, context = min(max_rows, self.runner.capacity // 2), min(1024, self.runner.capacity // 2)
             # servers started together profile while their neighbours load: such a profile is taken again
-            return profile_when_quiet(lambda: profile_pass_cost(run_pass, max_rows, context), torch.get_num_threads())
+            return profile_when_quiet(lambda: profile_pass_cost(run_pass, max_rows, context), torch.get_num_threads(),
+                                      wait_s=quiet_wait_s(self.config.profile_wait_s))
         finally:
             self.runner.cache.release(slot)
 

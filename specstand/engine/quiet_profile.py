@@ -82,8 +82,9 @@ def contention(before: CpuTimes, after: CpuTimes, wall_s: float, threads: int) -
     return max(0.0, others_cpus(before, after, wall_s) - spare) / max(threads, 1)
 
 
-def quiet_wait_s() -> float:
-    text = os.environ.get(WAIT_ENV, str(QUIET_WAIT_S))
+def quiet_wait_s(default: float = QUIET_WAIT_S) -> float:
+    """How long start-up may wait for quiet CPUs: `default`, unless WAIT_ENV says otherwise."""
+    text = os.environ.get(WAIT_ENV, str(default))
     try:
         return max(0.0, float(text))
     except ValueError:

@@ -150,7 +150,8 @@ def import_spec_bench(path: Path, limit: int | None, max_prompt_chars: int, max_
     question as a plain-text prompt (for base models without a chat template); with `per_category`, at
     most that many of each category (the file lists them category by category)."""
     if not path.is_file():
-        raise WorkloadError(f"Spec-Bench questions not found at {path}")
+        raise WorkloadError(f"Spec-Bench questions not found at {path}: name its question.jsonl (the file Spec-Bench "
+                            "ships as data/spec_bench/question.jsonl) with --spec-bench-file")
     turns: list[Turn] = []
     taken: dict[str, int] = {}
     for number, row in enumerate(_jsonl(path), start=1):

@@ -199,3 +199,19 @@ def test_serve_refuses_bad_flags_before_loading(capsys, argv, words):
     code, out, err = run_cli(capsys, "serve", *argv)
     assert code == 2 and out == ""
     assert len(err.strip().splitlines()) == 1 and words in err
+
+
+def test_generate_waits_seconds_not_minutes_for_quiet_cpus(capsys, tiny_model_dir, monkeypatch):
+    import specstand.engine.engine as engine_module
+
+    waits = []
+
+    def profile_now(profile, threads, wait_s=None):
+        waits.append(wait_s)
+        return profile()
+
+    monkeypatch.delenv("SPECSTAND_QUIET_WAIT_S", raising=False)
+    monkeypatch.setattr(engine_module, "profile_when_quiet", profile_now)
+    code, _, _ = run_cli(capsys, "generate", "--model", str(tiny_model_dir), "--method", "ngram", "--prompt", "w3 w4",
+                         "--max-tokens", "4")
+    assert code == 0 and waits == [10.0]  # a server waits up to 120 s

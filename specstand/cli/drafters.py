@@ -226,9 +226,12 @@ def _save_train_data(args: argparse.Namespace, turns: list[Turn], rows: list[Tra
             "drafter": args.method, "endpoint": args.endpoint, "seconds": round(time.perf_counter() - started)}
     save_rows(args.out, rows, meta)
     partial.path.unlink()
-    save_workload([t for t in turns if heldout_turn(t.turn_id, args.heldout)], args.out / HELDOUT_WORKLOAD)
+    heldout = [t for t in turns if heldout_turn(t.turn_id, args.heldout)]
+    save_workload(heldout, args.out / HELDOUT_WORKLOAD)
     log(f"wrote {len(rows)} rows ({sum(r.split == 'heldout' for r in rows)} held out) to {args.out}; "
-         f"the held-out turns, to bench on: {args.out / HELDOUT_WORKLOAD}")
+        + (f"the held-out turns, to bench on: {args.out / HELDOUT_WORKLOAD}" if heldout else
+           f"no turn was held out ({len(turns)} turns at --heldout {args.heldout}): eval-drafter and the held-out "
+           "bench need more turns or a larger --heldout"))
 
 
 def cmd_train(args: argparse.Namespace) -> None:

@@ -83,6 +83,9 @@ def test_q8_0_target_answers_trains_and_evaluates(capsys, tiny_model_dir, tmp_pa
     model = ("--model", str(tiny_model_dir), "--dtype", "q8_0")
     assert _run(capsys, "train-data", *model, "--workload", str(workload), "--out", str(tmp_path / "data"),
                 "--heldout", "0.3")[0] == 0
+    code, _, err = _run(capsys, "train-data", *model, "--workload", str(workload), "--out", str(tmp_path / "all"),
+                        "--heldout", "0")
+    assert code == 0 and "no turn was held out (8 turns at --heldout 0.0)" in err  # not a path to an empty file
     code, _, err = _run(capsys, "train", "--method", "eagle3", *model, "--data", str(tmp_path / "data"), "--out",
                         str(tmp_path / "eagle3"), "--steps", "2", "--pack-tokens", "256", "--draft-vocab", "64")
     assert code == 0, err

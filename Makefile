@@ -2,14 +2,19 @@
 VENV ?= .venv
 PY := $(VENV)/bin/python
 MODEL ?= smollm2-135m
+# 3.11 or newer
+PYTHON ?= python3
+# where torch comes from: empty, pip's own index (a CPU wheel where the machine provides one); elsewhere
+# TORCH_INDEX=https://download.pytorch.org/whl/cpu, or PyPI's Linux torch is a multi-GB CUDA build
+TORCH_INDEX ?=
 
 .PHONY: install test lint demo bench drafters clean
 
 $(VENV)/.installed: pyproject.toml
-	python3 -m venv $(VENV)
+	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	# pinned first: an open-ended torch requirement would pull a multi-GB CUDA build
-	$(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q torch==2.13.0 $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX))
 	$(PY) -m pip install -q -e '.[dev]'
 	touch $@
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import functools
 import json
+import os
 import re
 from collections import Counter
 from collections.abc import Iterator
@@ -308,8 +309,7 @@ def _completion(prefix: str, candidates: list[str]) -> str:
     if len(matching) == 1:
         return matching[0][len(prefix) :] + '"'
     shortest, longest = min(matching), max(matching)
-    common = next((i for i, (a, b) in enumerate(zip(shortest, longest, strict=False)) if a != b), len(shortest))
-    return shortest[len(prefix) : common]
+    return os.path.commonprefix([shortest, longest])[len(prefix) :]
 
 
 NEWLINE = "\n"  # a style's gap that breaks the line, then indents to the depth of the container it is in

@@ -3,6 +3,7 @@ docs/drafters.md, section Schema drafting)."""
 
 from __future__ import annotations
 
+import os
 from collections import Counter
 from dataclasses import dataclass, field, replace
 from typing import Protocol
@@ -284,7 +285,7 @@ def continuation_tokens(codec: TextCodec, answer_ids: list[int], forced: Forced,
         head = codec.decode(tail)
         encodings = encode_all(codec, [head + forced.text + follower for follower in followers])
         if all(ids[:n] == tail for ids in encodings):
-            stable = _common_prefix([ids[n:] for ids in encodings])
+            stable = os.path.commonprefix([ids[n:] for ids in encodings])
             # where anything may follow, the forced text's own last token is not drafted either
             return stable if forced.followers is not None else stable[: len(codec.encode(head + forced.text)) - n - 1]
     return []
@@ -294,14 +295,6 @@ def encode_all(codec: TextCodec, texts: list[str]) -> list[list[int]]:
     """Every text's tokens, in one call where the codec batches (a fast tokenizer: one call instead of 20)."""
     batch = getattr(codec, "encode_batch", None)
     return batch(texts) if batch is not None else [codec.encode(text) for text in texts]
-
-
-def _common_prefix(sequences: list[list[int]]) -> list[int]:
-    first, length = sequences[0], len(sequences[0])
-    for other in sequences[1:]:
-        length = next((i for i, (a, b) in enumerate(zip(first[:length], other, strict=False)) if a != b),
-                      min(length, len(other)))
-    return first[:length]
 
 
 def _make(context: DraftingContext) -> SchemaDrafter:

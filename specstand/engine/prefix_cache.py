@@ -19,6 +19,7 @@ module cache (the transformers fallback) holds more than K/V per position, so th
 
 from __future__ import annotations
 
+import os
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
@@ -277,9 +278,5 @@ class PrefixCache:
 
 
 def common_prefix(a: list[int], b: list[int]) -> int:
-    n = 0
-    for x, y in zip(a, b, strict=False):
-        if x != y:
-            break
-        n += 1
-    return n
+    """How many leading tokens `a` and `b` share."""
+    return len(os.path.commonprefix([a, b]))

@@ -9,10 +9,11 @@ from pathlib import Path
 
 
 def write_atomic(path: Path, write: Callable[[Path], object]) -> None:
-    """Calls write(tmp) for a hidden name beside `path` (same suffix, so writers that go by it still do),
-    flushes it to disk, then renames it over `path` in one step; a failed write removes it."""
+    """Calls write(tmp) for a hidden name beside `path` (same suffix, so writers that go by it still do; this
+    process's own, so two processes writing one file never share it), flushes it to disk, then renames it over
+    `path` in one step; a failed write removes it."""
     path = Path(path)
-    tmp = path.with_name(f".{path.stem}.tmp{path.suffix}")
+    tmp = path.with_name(f".{path.stem}.{os.getpid()}.tmp{path.suffix}")
     try:
         write(tmp)
         with tmp.open("rb") as written:

@@ -34,9 +34,13 @@ class KernelsUnavailable(RuntimeError):
     """The compiled kernels cannot run here; the message says why."""
 
 
+def cache_root() -> Path:
+    """Where specstand keeps what it builds and measures once per machine (SPECSTAND_CACHE)."""
+    return Path(os.environ.get("SPECSTAND_CACHE", Path.home() / ".cache" / "specstand"))
+
+
 def _cache_dir(digest: str) -> Path:
-    root = Path(os.environ.get("SPECSTAND_CACHE", Path.home() / ".cache" / "specstand"))
-    return root / "kernels" / digest
+    return cache_root() / "kernels" / digest
 
 
 @cache

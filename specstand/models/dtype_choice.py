@@ -11,7 +11,6 @@ every start.
 from __future__ import annotations
 
 import json
-import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -19,6 +18,7 @@ from pathlib import Path
 import torch
 
 from specstand import kernels
+from specstand.files import write_text_atomic
 from specstand.kernels import q8_0
 
 PASS_ROWS = (1, 8)  # a decode step and a verify of a few drafted tokens
@@ -76,8 +76,7 @@ def measure(n: int, k: int, path: str, repeats: int = 9) -> dict[str, float]:
 
 
 def _cache_file() -> Path:
-    root = Path(os.environ.get("SPECSTAND_CACHE", Path.home() / ".cache" / "specstand"))
-    return root / "dtype_costs.json"
+    return kernels.cache_root() / "dtype_costs.json"
 
 
 def measured_costs(n: int, k: int, path: str) -> dict[str, float]:
@@ -93,9 +92,7 @@ def measured_costs(n: int, k: int, path: str) -> dict[str, float]:
     costs = measure(n, k, path)
     kept[key] = costs
     file.parent.mkdir(parents=True, exist_ok=True)
-    partial = file.with_suffix(f".{os.getpid()}.tmp")  # written whole, then renamed: never half a file
-    partial.write_text(json.dumps(kept, indent=1))
-    partial.replace(file)
+    write_text_atomic(file, json.dumps(kept, indent=1))
     return costs
 
 

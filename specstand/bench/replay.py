@@ -98,7 +98,6 @@ async def replay(
     turns: list[Turn],
     endpoint: Endpoint,
     users: int,
-    clock: Callable[[], float] = time.perf_counter,
     on_turn: Callable[[TurnRecord], None] = lambda record: None,
     stagger_s: float = 0.0,
 ) -> tuple[list[TurnRecord], float]:
@@ -108,7 +107,7 @@ async def replay(
     if stagger_s < 0:
         raise ValueError("the users' stagger must be >= 0 seconds")
     records: list[TurnRecord] = []
-    started = clock()
+    started = time.perf_counter()
     all_done = asyncio.Event()
     users_done = 0
     wall = 0.0
@@ -118,17 +117,17 @@ async def replay(
         await asyncio.sleep(index * stagger_s)
         order = cyclic_order(turns, users, index)
         for turn in itertools.islice(order, turns_per_user(turns, users)):
-            record = await _replay_turn(turn, endpoint, index, clock)
+            record = await _replay_turn(turn, endpoint, index)
             records.append(record)
             on_turn(record)
         users_done += 1
         if users_done == users:
-            wall = clock() - started
+            wall = time.perf_counter() - started
             all_done.set()
             return
         # fillers, until every user is done with its counted turns; then nothing of them is waited for (on a
         # slow CPU their last calls took seconds after every 4-user run)
-        fillers = asyncio.ensure_future(_fill(order, endpoint, index, clock))
+        fillers = asyncio.ensure_future(_fill(order, endpoint, index))
         await all_done.wait()
         fillers.cancel()
         with contextlib.suppress(asyncio.CancelledError):
@@ -138,15 +137,15 @@ async def replay(
     return records, wall
 
 
-async def _fill(order: Iterator[Turn], endpoint: Endpoint, user: int, clock: Callable[[], float]) -> None:
+async def _fill(order: Iterator[Turn], endpoint: Endpoint, user: int) -> None:
     """Uncounted turns of a user's cyclic order, until cancelled."""
     for turn in order:
-        await _replay_turn(turn, endpoint, user, clock)
+        await _replay_turn(turn, endpoint, user)
 
 
-async def _replay_turn(turn: Turn, endpoint: Endpoint, user: int, clock: Callable[[], float]) -> TurnRecord:
+async def _replay_turn(turn: Turn, endpoint: Endpoint, user: int) -> TurnRecord:
     """Replays one turn."""
-    record = TurnRecord(turn.turn_id, user, clock(), 0.0)
+    record = TurnRecord(turn.turn_id, user, time.perf_counter(), 0.0)
     done: dict[str, asyncio.Future] = {c.id: asyncio.get_running_loop().create_future() for c in turn.calls}
 
     async def run(call: Call) -> None:
@@ -154,17 +153,17 @@ async def _replay_turn(turn: Turn, endpoint: Endpoint, user: int, clock: Callabl
             await done[dep]
         if call.delay_ms:
             await asyncio.sleep(call.delay_ms / 1000)
-        entry = CallRecord(turn.turn_id, call.id, call.stage, clock(), 0.0)
+        entry = CallRecord(turn.turn_id, call.id, call.stage, time.perf_counter(), 0.0)
         try:
             answer = await endpoint.complete(call)
             entry.text, entry.completion_tokens = answer.text, answer.completion_tokens
             entry.finish_reason, entry.tool_calls = answer.finish_reason, answer.tool_calls
         except Exception as error:  # a failed call is recorded, and its dependants still run
             entry.error = f"{type(error).__name__}: {error}"[:300]
-        entry.end = clock()
+        entry.end = time.perf_counter()
         record.calls.append(entry)
         done[call.id].set_result(None)
 
     await asyncio.gather(*(run(c) for c in turn.calls))
-    record.end = clock()
+    record.end = time.perf_counter()
     return record

@@ -971,6 +971,8 @@ void decode_attention(Isa isa, const float* q, int64_t q_stride, float* out, int
   const std::vector<std::vector<int64_t>> lists = deal_tasks(tasks, positions, at::get_num_threads());
   at::parallel_for(0, int64_t(lists.size()), 1, [&](int64_t begin, int64_t end) {
     std::vector<float> scores;
+    // per OpenMP thread for the life of the process: a 2048-key task packs megabytes, which allocating at every
+    // call (hundreds of calls a prompt) would fault in again each time; it keeps its longest task's size
     static thread_local TileScratch scratch;
     Avx2Scratch avx2_scratch;
     if (amx) configure_bf16_tiles();

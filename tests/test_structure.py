@@ -100,3 +100,10 @@ def test_no_block_is_written_twice():
             seen[window].append(f"{path.relative_to(PACKAGE)}:{lines[start][0]}")
     twice = [places for places in seen.values() if len(places) > 1]
     assert twice == []
+
+
+def test_imports_are_absolute():
+    """The layer check reads absolute imports only: a relative one would pass it unchecked."""
+    relative = [f"{path.relative_to(PACKAGE)}:{node.lineno}" for path in modules()
+                for node in ast.walk(ast.parse(path.read_text())) if isinstance(node, ast.ImportFrom) and node.level]
+    assert relative == []

@@ -43,8 +43,7 @@ class EngineConfig:
     prefix_store_bytes: int = 0
     # verify only the draft tokens that pay for their rows (engine/adaptive.py); False: every draft at fixed K
     adaptive: bool = True
-    # how long start-up may wait for quiet CPUs to time its passes (SPECSTAND_QUIET_WAIT_S overrides it): a
-    # server answers for hours, a one-off generate should not wait minutes
+    # the most start-up waits for quiet CPUs to time its passes (SPECSTAND_QUIET_WAIT_S overrides it)
     profile_wait_s: float = QUIET_WAIT_S
 
     def __post_init__(self) -> None:

@@ -447,4 +447,7 @@ class Engine:
         self.prefix_cache.release(state.slot, state.seq.token_ids, state.answer_taps)
         self.runner.cache.release(state.slot)
         if self.drafter is not None:
-            self.drafter.end(state.seq)
+            try:  # the answer is whole: a drafter that fails to forget it fails no request
+                self.drafter.end(state.seq)
+            except Exception:  # noqa: BLE001
+                logger.exception("the drafter failed to end request %d's sequence", state.seq.request_id)

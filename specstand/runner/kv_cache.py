@@ -66,7 +66,8 @@ class KVCache:
 
     def release(self, slot: int) -> None:
         self.lengths[slot] = 0
-        self._free.append(slot)
+        if slot not in self._free:  # freed twice, it would be handed to two requests
+            self._free.append(slot)
 
     def copy_prefix(self, src: int, dst: int, length: int) -> None:
         """Give slot `dst` the first `length` positions of slot `src` (prefix reuse across requests)."""

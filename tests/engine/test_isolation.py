@@ -56,6 +56,29 @@ def test_a_drafter_fault_fails_its_request_alone(forward):
     assert {i: r.output_ids for i, r in enumerate(results) if i != 1} == alone
 
 
+class ForgetfulDrafter(NgramDrafter):
+    """n-gram drafts, but ending a poisoned request's sequence raises."""
+
+    def end(self, seq: SequenceView) -> None:
+        super().end(seq)
+        if seq.token_ids[0] == POISON:
+            raise RuntimeError("injected end fault")
+
+
+def test_a_drafter_that_fails_to_end_a_finished_answer_loses_nothing():
+    """Its slot was freed before the drafter's end raised: failing the request then freed it twice, and two
+    later requests shared one slot."""
+    model = tiny_decoder("llama", torch.bfloat16)
+    prompts = _prompts()
+    engine = Engine(model, ForgetfulDrafter(), EngineConfig(5, 256, 2))
+    results = _run(engine, prompts) + _run(engine, prompts[2:] + prompts[:1])
+    assert sorted(engine.runner.cache.free_slot_ids) == [0, 1]
+    assert all(r.finish_reason == "length" for r in results)
+    alone = _alone(model, prompts)
+    assert [r.output_ids for i, r in enumerate(results[:4]) if i != 1] == list(alone.values())
+    assert [r.output_ids for r in results[4:]] == [alone[2], alone[3], alone[0]]
+
+
 def test_a_pass_fault_fails_only_the_request_whose_rows_break():
     model = tiny_decoder("llama", torch.bfloat16)
     prompts = _prompts()

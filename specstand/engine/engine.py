@@ -18,9 +18,9 @@ from dataclasses import dataclass
 import torch
 
 from specstand.drafters import Draft, Drafter, HiddenRows, SequenceView
-from specstand.engine.adaptive import AdaptiveVerifier, PassCost, profile_pass_cost
+from specstand.engine.adaptive import AdaptiveVerifier, PassCost
 from specstand.engine.prefix_cache import PrefixCache, common_prefix
-from specstand.engine.quiet_profile import QUIET_WAIT_S, profile_when_quiet, quiet_wait_s
+from specstand.engine.quiet_profile import QUIET_WAIT_S, profile_target_passes, quiet_wait_s
 from specstand.engine.request import GenerationResult, Request, StepEvent
 from specstand.engine.running import Running, Work
 from specstand.engine.stats import DecodeStats, EngineTimes
@@ -98,10 +98,14 @@ class Engine:
     def has_work(self) -> bool:
         return bool(self._waiting or self._running)
 
+    def answer_room(self, prompt_tokens: int) -> int:
+        """The most tokens an answer to a prompt this long may ask for: its last pass still needs room for a
+        whole pass of rows (a draft, or the row unit exact passes are padded to). Reads configuration only."""
+        return self.runner.capacity - prompt_tokens - max(self.width, self.row_unit) + 1
+
     def check_request(self, request: Request) -> None:
         """Raise ValueError if the request can never fit; reads configuration only (thread-safe)."""
-        needed = len(request.prompt_ids) + request.max_tokens + max(self.width, self.row_unit) - 1
-        if needed > self.runner.capacity:
+        if request.max_tokens > self.answer_room(len(request.prompt_ids)):
             raise ValueError(
                 f"prompt ({len(request.prompt_ids)} tokens) + max_tokens ({request.max_tokens}) exceed the "
                 f"context of {self.runner.capacity} tokens"
@@ -299,22 +303,9 @@ class Engine:
         return estimated if estimated is not None else self._profile_pass_cost(self.width)
 
     def _profile_pass_cost(self, max_rows: int | None = None) -> PassCost:
-        """Time target passes of 1 .. max_batch * (K + 1) rows in a scratch slot (before any request), while
-        no other process keeps this one's CPUs busy (quiet_profile.py)."""
-        max_rows = max_rows or self.config.max_batch * self.width
-        slot = self.runner.cache.allocate()
-
-        def run_pass(rows: int, cached: int) -> None:  # what the cache holds does not change the time
-            self.runner.cache.set_length_for_timing(slot, cached)
-            self.runner.run([PassInput(slot, [0] * rows)], -(-rows // self.row_unit) * self.row_unit)
-
-        try:
-            max_rows, context = min(max_rows, self.runner.capacity // 2), min(1024, self.runner.capacity // 2)
-            # servers started together profile while their neighbours load: such a profile is taken again
-            return profile_when_quiet(lambda: profile_pass_cost(run_pass, max_rows, context), torch.get_num_threads(),
-                                      wait_s=quiet_wait_s(self.config.profile_wait_s))
-        finally:
-            self.runner.cache.release(slot)
+        """Target passes of 1 .. max_batch * (K + 1) rows, timed before any request (quiet_profile.py)."""
+        return profile_target_passes(self.runner, self.row_unit, max_rows or self.config.max_batch * self.width,
+                                     quiet_wait_s(self.config.profile_wait_s))
 
     def _fail(self, request_id: int, state: Running, error: Exception) -> StepEvent:
         """Finish one request with its error and free its slot."""

@@ -20,6 +20,11 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TypeVar
 
+import torch
+
+from specstand.engine.adaptive import PassCost, profile_pass_cost
+from specstand.runner import PassInput, TargetRunner
+
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
 
@@ -134,3 +139,21 @@ def profile_when_quiet(profile: Callable[[], T], threads: int, load: Callable[[]
     logger.warning("the pass profile was timed while other processes took %.0f%% of this one's CPU time: "
                    "adaptive verification corrects it from the passes it runs", 100 * quietest[0])
     return quietest[1]
+
+
+def profile_target_passes(runner: TargetRunner, row_unit: int, max_rows: int, wait_s: float) -> PassCost:
+    """Time the target's passes of 1 .. max_rows rows in a scratch slot (before any request takes one), once
+    no other process keeps this one's CPUs busy: servers started together profile while their neighbours
+    load, and such a profile is taken again."""
+    slot = runner.cache.allocate()
+
+    def run_pass(rows: int, cached: int) -> None:  # what the cache holds does not change the time
+        runner.cache.set_length_for_timing(slot, cached)
+        runner.run([PassInput(slot, [0] * rows)], -(-rows // row_unit) * row_unit)
+
+    try:
+        max_rows, context = min(max_rows, runner.capacity // 2), min(1024, runner.capacity // 2)
+        return profile_when_quiet(lambda: profile_pass_cost(run_pass, max_rows, context), torch.get_num_threads(),
+                                  wait_s=wait_s)
+    finally:
+        runner.cache.release(slot)

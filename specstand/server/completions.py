@@ -106,7 +106,7 @@ class Completer:
 
     def _request(self, body: SamplingFields, prompt_ids: list[int], tools: list[dict] | None) -> Request:
         engine = self.worker.engine
-        room = engine.runner.capacity - len(prompt_ids) - engine.width + 1
+        room = engine.answer_room(len(prompt_ids))
         if room <= 0:
             raise Refused(400, f"the prompt ({len(prompt_ids)} tokens) fills the context of "
                                f"{engine.runner.capacity} tokens", "messages")

@@ -202,7 +202,7 @@ def test_serve_refuses_bad_flags_before_loading(capsys, argv, words):
 
 
 def test_generate_waits_seconds_not_minutes_for_quiet_cpus(capsys, tiny_model_dir, monkeypatch):
-    import specstand.engine.engine as engine_module
+    import specstand.engine.quiet_profile as quiet_profile
 
     waits = []
 
@@ -211,7 +211,7 @@ def test_generate_waits_seconds_not_minutes_for_quiet_cpus(capsys, tiny_model_di
         return profile()
 
     monkeypatch.delenv("SPECSTAND_QUIET_WAIT_S", raising=False)
-    monkeypatch.setattr(engine_module, "profile_when_quiet", profile_now)
+    monkeypatch.setattr(quiet_profile, "profile_when_quiet", profile_now)
     code, _, _ = run_cli(capsys, "generate", "--model", str(tiny_model_dir), "--method", "ngram", "--prompt", "w3 w4",
                          "--max-tokens", "4")
     assert code == 0 and waits == [10.0]  # a server waits up to 120 s

@@ -322,3 +322,19 @@ def test_schema_drafting_reads_the_tools_a_chat_request_offers(tiny_model_dir):
         assert offered == [None, tools, None]
     finally:
         live.close()
+
+
+def test_the_default_answer_fits_whatever_rows_a_pass_is_padded_to(tiny_model_dir):
+    """With no max_tokens, an answer may take the room the prompt leaves, less a whole pass of rows: the
+    engine's exact passes may be padded past K + 1 rows (row_unit), and a default it refuses is a 400."""
+    live = LiveServer(tiny_model_dir, method="ngram", max_batch=1, max_queue=4, adaptive=False)
+    try:
+        engine = live.worker.engine
+        engine.row_unit = engine.width + 2  # as where the kernels pad passes to more rows than a draft has
+        room = engine.answer_room(0)
+        prompt = [5] * (room - 3)  # leaves 3 tokens of answer: the default must not be more
+        reply = httpx.post(live.url + "/v1/completions", json={"prompt": prompt, "temperature": 0}, timeout=60)
+        assert reply.status_code == 200, reply.text
+        assert reply.json()["usage"]["completion_tokens"] <= 3
+    finally:
+        live.close()

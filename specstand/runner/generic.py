@@ -114,7 +114,14 @@ class TransformersModel:
         logits, taps = [], {k: [] for k in tap_layers}
         for b, (slot, start, real) in enumerate(zip(slots, start_positions, real_rows, strict=True)):
             rows = tokens[b, :real].tolist()
-            out = self._run(cache, slot, start, rows, bool(tap_layers))
+            try:
+                out = self._run(cache, slot, start, rows, bool(tap_layers))
+            except Exception:
+                # the requests before it have advanced their caches: put them back, so that each one's pass of
+                # its own (how the engine isolates a failing request) finds its cache as it was
+                for done_slot, done_start in zip(slots[:b], start_positions[:b], strict=False):
+                    cache.rollback(done_slot, done_start)
+                raise
             pad = width - real
             last = out.logits[0, -real:]  # a recomputed slot's pass returns its earlier positions too
             request_logits = torch.cat([last, last[-1:].expand(pad, -1)]).float()

@@ -8,7 +8,8 @@ import torch
 from transformers import GPTNeoXConfig, GPTNeoXForCausalLM
 
 from specstand import kernels
-from specstand.drafters import make_drafter
+from specstand.drafters import Draft, SequenceView, make_drafter
+from specstand.drafters.ngram import NgramDrafter
 from specstand.engine import Engine, EngineConfig, Request
 from specstand.models.loading import target_model
 from specstand.runner import TargetRunner
@@ -77,3 +78,24 @@ def test_the_fallback_keeps_no_prefix_store_and_a_repeated_prompt_answers_as_col
     for prompt in (first, other, first):
         answer = engine.generate([Request(prompt, 16)])[0].output_ids
     assert [answer] == cold
+
+
+class OutOfVocabularyDrafter(NgramDrafter):
+    """n-gram drafts, but the second request's drafts hold a token the module has no embedding for."""
+
+    def propose(self, seq: SequenceView, max_tokens: int) -> Draft:
+        return Draft([VOCAB + 5]) if seq.request_id == 1 else super().propose(seq, max_tokens)
+
+
+def test_a_request_whose_rows_break_the_module_fails_alone():
+    """The module runs a batch's requests one by one: those before the failing one had advanced their caches,
+    and their passes of their own then failed too (the cache held more positions than the pass started at)."""
+    model = TransformersModel(_model("gpt_neox"), 512)
+    prompts = random_prompts(2, 20, seed=6)
+    plain = Engine(model, None, EngineConfig(3, 256, 1)).generate([Request(prompts[0], 12)])[0].output_ids
+    engine = Engine(model, OutOfVocabularyDrafter(), EngineConfig(3, 256, 2, adaptive=False))
+    first, second = engine.generate([Request(p, 12) for p in prompts])
+    assert second.finish_reason == "error"
+    assert first.finish_reason == "length"
+    if engine.exact:  # the probe's verdict on this CPU (the module may round by pass shape)
+        assert first.output_ids == plain

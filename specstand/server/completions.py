@@ -251,12 +251,20 @@ class AnswerText:
     def add(self, event: StepEvent) -> None:
         if self.stopped:
             return
+        before = len(self.token_ids)
         self.token_ids.extend(event.new_tokens)
         self._text = self.model.decode(self.token_ids)
         found = [self._text.find(s) for s in self.stops if s in self._text]
         if found:
             self.stopped = True
             self._text = self._text[: min(found)]
+            # the answer's tokens end with the one that completed the stop string (as vLLM counts them): a
+            # verified draft may have brought more in the same pass
+            del self.token_ids[next(n for n in range(before + 1, len(self.token_ids) + 1) if self._stops_in(n)):]
+
+    def _stops_in(self, tokens: int) -> bool:
+        text = self.model.decode(self.token_ids[:tokens])
+        return any(s in text for s in self.stops)
 
     def text(self) -> str:
         return self._text

@@ -267,3 +267,18 @@ def test_a_body_the_server_cannot_read_is_answered_with_what_to_fix(server):
     both = httpx.post(url, json={**OK, "presence_penalty": 0.5, "logit_bias": {"5": 10}}, timeout=30).json()["error"]
     assert both["message"] == "presence_penalty, logit_bias are not supported by this server"
     assert both["param"] == "presence_penalty"
+
+
+def test_an_answer_cut_at_a_stop_string_keeps_the_tokens_up_to_it():
+    """A verified draft brings several tokens in one pass: those after the one that completes the stop string
+    are not the answer's (nor in its usage), as vLLM counts them."""
+    from types import SimpleNamespace
+
+    from specstand.engine import StepEvent
+    from specstand.server.completions import AnswerText
+
+    words = SimpleNamespace(decode=lambda ids: "".join(f" w{t}" for t in ids))
+    answer = AnswerText(words, ["w3 w4"])
+    answer.add(StepEvent(0, [1, 2]))
+    answer.add(StepEvent(0, [3, 4, 5, 6]))  # the stop completes at 4
+    assert answer.stopped and answer.token_ids == [1, 2, 3, 4] and answer.text() == " w1 w2 "

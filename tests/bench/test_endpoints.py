@@ -65,3 +65,16 @@ def test_a_run_waits_for_the_server_to_drop_the_calls_it_cancelled():
     assert asyncio.run(_metrics_endpoint([vllm]).wait_idle(timeout_s=0.05, poll_s=0.01)) is False  # never idle
     # a server without such gauges is not waited for
     assert asyncio.run(_metrics_endpoint(["# TYPE other gauge\nother 3.0\n"]).wait_idle(timeout_s=5)) is None
+
+
+def test_a_runs_metrics_are_counters_increases_and_gauges_as_they_stand():
+    from specstand.bench.run import _run_delta
+
+    before = {"specstand:target_passes_total": 10.0, "specstand:pass_seconds_estimated[rows=6]": 0.020,
+              "specstand:pass_seconds_profiled[rows=1]": 0.010, "specstand:num_speculative_tokens": 5.0}
+    after = {"specstand:target_passes_total": 25.0, "specstand:pass_seconds_estimated[rows=6]": 0.024,
+             "specstand:pass_seconds_profiled[rows=1]": 0.010, "specstand:num_speculative_tokens": 5.0}
+    assert _run_delta(before, after) == {"specstand:target_passes_total": 15.0,
+                                         "specstand:pass_seconds_estimated[rows=6]": 0.024,
+                                         "specstand:pass_seconds_profiled[rows=1]": 0.010,
+                                         "specstand:num_speculative_tokens": 5.0}

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from specstand.drafters import Draft, Drafter, SequenceView, make_drafter
-from specstand.engine import DecodeStats, Engine, EngineConfig, Request
+from specstand.engine import DecodeStats, Engine, EngineConfig, Request, quiet_profile
 from specstand.engine import engine as engine_module
 from specstand.engine.adaptive import AcceptanceModel, AdaptiveVerifier, PassCost, choose_budget, profile_pass_cost
 from tests.conftest import FORWARDS, TRAINING_FREE, FixedCost, random_prompts, tiny_decoder
@@ -138,7 +138,7 @@ def test_a_drafter_that_cannot_pay_is_mostly_not_asked():
 @pytest.mark.parametrize("forward", FORWARDS)
 def test_every_drafter_with_adaptive_verification_is_token_identical(forward, monkeypatch):
     # rows priced as on a CPU with matrix units (nearly free): drafts are kept, so verification is exercised
-    monkeypatch.setattr(engine_module, "profile_pass_cost", lambda *profile_args: FixedCost([1, 64], [1.0, 1.1]))
+    monkeypatch.setattr(quiet_profile, "profile_pass_cost", lambda *profile_args: FixedCost([1, 64], [1.0, 1.1]))
     dtype = torch.float32 if forward == "python" else torch.bfloat16
     model = tiny_decoder("qwen2", dtype, forward=forward)
     prompts = random_prompts(6, 40, seed=3)
@@ -315,7 +315,7 @@ class FirstTokenRight(Drafter):
 @pytest.mark.parametrize("cost_grows_with_depth", [True, False])
 def test_only_a_chain_drafter_is_asked_for_fewer_tokens_than_k(cost_grows_with_depth, monkeypatch):
     # a row costs a tenth of a pass: the budget settles on the first position, the one that is accepted
-    monkeypatch.setattr(engine_module, "profile_pass_cost", lambda *profile_args: FixedCost([1, 64], [1.0, 7.3]))
+    monkeypatch.setattr(quiet_profile, "profile_pass_cost", lambda *profile_args: FixedCost([1, 64], [1.0, 7.3]))
     model = tiny_decoder("llama", torch.float32)
     prompt = random_prompts(1, 20, seed=2)[0]
     plain = Engine(model, None, EngineConfig(5, 512, 1)).generate([Request(prompt, 60)])[0].output_ids
@@ -387,7 +387,7 @@ def test_the_engine_charges_each_step_to_the_requests_it_cut(monkeypatch):
             super().observe(draft, accepted, request_id)
 
     monkeypatch.setattr(engine_module, "AdaptiveVerifier", Recording)
-    monkeypatch.setattr(engine_module, "profile_pass_cost", lambda *profile_args: FixedCost([1, 64], [1.0, 1.1]))
+    monkeypatch.setattr(quiet_profile, "profile_pass_cost", lambda *profile_args: FixedCost([1, 64], [1.0, 1.1]))
     model = tiny_decoder("llama", torch.float32, forward="python")
     engine = Engine(model, make_drafter("ngram"), EngineConfig(4, 256, 2, adaptive=True))
     first = [engine.add_request(Request(p, 12)) for p in random_prompts(2, 20, seed=4)]
@@ -422,7 +422,7 @@ class ReadsHiddenRows(Drafter):
 def test_a_probe_of_a_drafter_that_reads_hidden_rows_drafts_for_one_request(monkeypatch):
     """Warm-up and probes ask such a drafter for one request at a time (the one it lags least: the same one
     while it runs), so a probe costs one catch-up however many requests run; answers stay plain decoding's."""
-    monkeypatch.setattr(engine_module, "profile_pass_cost", lambda *profile_args: FixedCost([1, 64], [1.0, 7.3]))
+    monkeypatch.setattr(quiet_profile, "profile_pass_cost", lambda *profile_args: FixedCost([1, 64], [1.0, 7.3]))
     model = tiny_decoder("llama", torch.float32)
     requests = [Request(p, 48) for p in random_prompts(3, 20, seed=6)]
     plain = [r.output_ids for r in Engine(model, None, EngineConfig(4, 512, 3)).generate(requests)]
@@ -436,7 +436,7 @@ def test_a_probe_of_a_drafter_that_reads_hidden_rows_drafts_for_one_request(monk
 
 
 def test_a_probe_of_a_drafter_without_hidden_rows_drafts_for_every_request(monkeypatch):
-    monkeypatch.setattr(engine_module, "profile_pass_cost", lambda *profile_args: FixedCost([1, 64], [1.0, 7.3]))
+    monkeypatch.setattr(quiet_profile, "profile_pass_cost", lambda *profile_args: FixedCost([1, 64], [1.0, 7.3]))
     model = tiny_decoder("llama", torch.float32)
     drafter = ReadsHiddenRows()
     drafter.tap_layers = ()  # n-gram and suffix drafts cost the same for one request or all
@@ -480,7 +480,7 @@ def test_a_drafter_that_is_always_wrong_costs_at_most_two_percent_of_target_time
     """Counted passes and rows, priced by a decode-bound profile (a verify of K + 1 rows: 1.4 plain steps):
     probes and the warm-up's whole drafts add at most 2% to plain decoding's target time."""
     cost = FixedCost([1, 2, 6, 64], [1.0, 1.08, 1.4, 8.0])
-    monkeypatch.setattr(engine_module, "profile_pass_cost", lambda *profile_args: cost)
+    monkeypatch.setattr(quiet_profile, "profile_pass_cost", lambda *profile_args: cost)
     model = tiny_decoder("llama", torch.float32, forward="python")
     prompts = random_prompts(4, 30, seed=61)
     plain_time, answers = _target_time(Engine(model, None, EngineConfig(5, 512, 1)), prompts, cost, monkeypatch)
@@ -495,7 +495,7 @@ def test_requests_count_how_often_their_drafter_ran_and_probed(monkeypatch):
     """An always-wrong drafter: it runs in few steps (paused between probes), those runs are probes, and every
     draft verified came from a run."""
     cost = FixedCost([1, 2, 6, 64], [1.0, 1.08, 1.4, 8.0])
-    monkeypatch.setattr(engine_module, "profile_pass_cost", lambda *profile_args: cost)
+    monkeypatch.setattr(quiet_profile, "profile_pass_cost", lambda *profile_args: cost)
     model = tiny_decoder("llama", torch.float32, forward="python")
     prompts = random_prompts(2, 30, seed=61)
     answers = [r.output_ids for r in Engine(model, None, EngineConfig(5, 512, 1)).generate(

@@ -7,7 +7,7 @@ import torch
 
 from specstand.drafters import Draft, Drafter, SequenceView, make_drafter
 from specstand.drafters.schema import SchemaDrafter
-from specstand.engine import Engine, EngineConfig, Request
+from specstand.engine import Engine, EngineConfig, Request, quiet_profile
 from specstand.engine import engine as engine_module
 from specstand.runner.transformer import DecoderModel
 from tests.conftest import (
@@ -124,7 +124,7 @@ def assert_schema_drafting_answers_as_plain_decoding(model, adaptive: bool = Fal
 @pytest.mark.parametrize(("dtype", "forward"), [NUMERICS[0], NUMERICS[-1]])  # fp32 Python, the best kernels
 def test_schema_drafting_is_token_identical_to_plain_greedy(dtype, forward, adaptive, monkeypatch):
     # rows priced nearly free under adaptive verification: drafts are kept, so verification is exercised
-    monkeypatch.setattr(engine_module, "profile_pass_cost", lambda *profile_args: FixedCost([1, 64], [1.0, 1.1]))
+    monkeypatch.setattr(quiet_profile, "profile_pass_cost", lambda *profile_args: FixedCost([1, 64], [1.0, 1.1]))
     forced = sum(assert_schema_drafting_answers_as_plain_decoding(target(family, dtype, forward), adaptive)
                  for family in FAMILIES)
     assert forced >= 10

@@ -7,8 +7,7 @@ from __future__ import annotations
 import pytest
 
 from specstand.drafters import make_drafter
-from specstand.engine import Engine, EngineConfig, Request
-from specstand.engine import engine as engine_module
+from specstand.engine import Engine, EngineConfig, Request, quiet_profile
 from specstand.runner.kv_cache import KVCache
 from specstand.runner.state_cache import StateCache
 from specstand.verification import SamplingParams
@@ -67,7 +66,7 @@ def test_every_drafter_is_token_identical_to_plain_greedy(family, dtype, forward
 
 @pytest.mark.parametrize("adaptive", [False, True])
 def test_schema_drafting_is_token_identical_to_plain_greedy(adaptive, monkeypatch):
-    monkeypatch.setattr(engine_module, "profile_pass_cost", lambda *profile_args: FixedCost([1, 64], [1.0, 1.1]))
+    monkeypatch.setattr(quiet_profile, "profile_pass_cost", lambda *profile_args: FixedCost([1, 64], [1.0, 1.1]))
     forced = sum(assert_schema_drafting_answers_as_plain_decoding(tiny_hybrid(family), adaptive)
                  for family in HYBRID_FAMILIES)
     assert forced >= 10
@@ -127,7 +126,7 @@ def test_sampling_with_drafts_follows_the_targets_joint_law(family):
 @pytest.mark.parametrize("family", RECURRENT_FAMILIES)
 def test_adaptive_verification_cuts_drafts_not_answers(family, monkeypatch):
     """Adaptive verification keeps a prefix of each draft: rollbacks land anywhere in a pass."""
-    monkeypatch.setattr(engine_module, "profile_pass_cost", lambda *profile_args: FixedCost([1, 16], [1.0, 1.6]))
+    monkeypatch.setattr(quiet_profile, "profile_pass_cost", lambda *profile_args: FixedCost([1, 16], [1.0, 1.6]))
     model = tiny_hybrid(family)
     prompts = random_prompts(4, 40, seed=9)
     baseline = _outputs(_engine(model, None), prompts)

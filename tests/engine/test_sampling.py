@@ -11,8 +11,7 @@ import pytest
 import torch
 
 from specstand.drafters import Draft, Drafter, SequenceView
-from specstand.engine import Engine, EngineConfig, Request
-from specstand.engine import engine as engine_module
+from specstand.engine import Engine, EngineConfig, Request, quiet_profile
 from specstand.runner import PassInput, TargetRunner
 from specstand.verification import SamplingParams, target_probs
 from tests.conftest import FORWARDS, FixedCost, random_prompts, tiny_decoder
@@ -78,7 +77,7 @@ def exact_joint(model, prompt: list[int], params: SamplingParams) -> dict[tuple[
 def test_engine_samples_the_targets_joint_law(drafted, forward, adaptive, monkeypatch):
     # passes priced flat (rows free): adaptive verification keeps every draft position that may be
     # accepted, whatever the machine's timings, so the run is deterministic
-    monkeypatch.setattr(engine_module, "profile_pass_cost", lambda *profile_args: FixedCost([1], [1.0]))
+    monkeypatch.setattr(quiet_profile, "profile_pass_cost", lambda *profile_args: FixedCost([1], [1.0]))
     model = tiny_decoder("llama", torch.bfloat16 if forward != "python" else torch.float32, forward=forward)
     prompt = random_prompts(1, 20, seed=8)[0]
     params = SamplingParams(**PARAMS)

@@ -14,7 +14,7 @@ computed in prefill blocks (torch's GEMMs), heads are whole prefill blocks (`uni
 
 The store copies K/V tensors only: a target with recurrent state (StateCache with state specs) or a
 module cache (the transformers fallback) holds more than K/V per position, so the store is off there
-(`PrefixCache.store_off_reason`); reuse from slots goes on as before.
+(each cache's `store_off_reason`); reuse from slots goes on as before.
 """
 
 from __future__ import annotations
@@ -25,7 +25,6 @@ from dataclasses import dataclass, field
 
 import torch
 
-from specstand.runner.generic import ModuleCache
 from specstand.runner.kv_cache import KVCache
 
 STORE_BLOCK = 16  # tokens per stored block where any head length is exact (compiled prompts)
@@ -130,16 +129,6 @@ class PrefixStore:
         self.nbytes -= self._blocks.pop(key).nbytes
 
 
-def store_off_reason(cache: object) -> str | None:
-    """Why the store cannot hold this cache's heads (None: it can)."""
-    if isinstance(cache, ModuleCache) or not isinstance(cache, KVCache):  # a ModuleCache is a KVCache of no K/V
-        return "the fallback forward's module cache is not K/V tensors the store can copy"
-    if getattr(cache, "state_specs", None):
-        return ("recurrent layers' state is kept only at a slot's own checkpoints, and a checkpoint per stored "
-                "block would cost a whole state (megabytes) per block")
-    return None
-
-
 @dataclass
 class Placed:
     """A new request's slot and the head it starts from."""
@@ -161,7 +150,7 @@ class PrefixCache:
         self.unit = unit  # a reused head is a multiple of this many positions
         self.keep_answers = keep_answers  # a finished answer's K/V are reusable (not prompt blocks only)
         self.tap_layers = tap_layers
-        self.store_off_reason = store_off_reason(cache) if enabled and store_bytes > 0 else None
+        self.store_off_reason = cache.store_off_reason if enabled and store_bytes > 0 else None
         store_on = enabled and store_bytes > 0 and self.store_off_reason is None
         self.store = PrefixStore(max(STORE_BLOCK, unit) // unit * unit, store_bytes) if store_on else None
         self._heads: dict[int, list[int]] = {}  # slot -> the tokens whose K/V its first positions hold

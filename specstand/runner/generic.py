@@ -56,6 +56,10 @@ class ModuleCache(KVCache):
                 pass
         self.module_caches[slot] = None  # recomputed from self.tokens on the slot's next pass
 
+    @property
+    def store_off_reason(self) -> str | None:
+        return "the fallback forward's module cache is not K/V tensors the store can copy"
+
     def copy_prefix(self, src: int, dst: int, length: int) -> None:
         raise ValueError("the fallback forward does not share cached prefixes")
 

@@ -46,6 +46,12 @@ class KVCache:
         self._free = list(range(num_slots - 1, -1, -1))
 
     @property
+    def store_off_reason(self) -> str | None:
+        """Why a prefix store (engine/prefix_cache.py) cannot hold copies of this cache's heads; None: it can,
+        since a head is its K/V alone."""
+        return None
+
+    @property
     def free_slots(self) -> int:
         return len(self._free)
 

@@ -51,6 +51,13 @@ class StateCache(KVCache):
         self.checkpoints: list[dict[int, list[torch.Tensor]]] = [{} for _ in range(num_slots)]
         self._pending: list[dict[int, list[torch.Tensor | None]]] = [{} for _ in range(num_slots)]
 
+    @property
+    def store_off_reason(self) -> str | None:
+        if not self.state_specs:
+            return None
+        return ("recurrent layers' state is kept only at a slot's own checkpoints, and a checkpoint per stored "
+                "block would cost a whole state (megabytes) per block")
+
     def state(self, slot: int, index: int) -> torch.Tensor:
         """State `index` of the slot at its current length."""
         length = self.lengths[slot]

@@ -254,17 +254,21 @@ class AnswerText:
         before = len(self.token_ids)
         self.token_ids.extend(event.new_tokens)
         self._text = self.model.decode(self.token_ids)
-        found = [self._text.find(s) for s in self.stops if s in self._text]
-        if found:
+        cut = self._stop_at(self._text)
+        if cut is not None:
             self.stopped = True
-            self._text = self._text[: min(found)]
+            self._text = self._text[:cut]
             # the answer's tokens end with the one that completed the stop string (as vLLM counts them): a
             # verified draft may have brought more in the same pass
-            del self.token_ids[next(n for n in range(before + 1, len(self.token_ids) + 1) if self._stops_in(n)):]
+            end = before + 1
+            while self._stop_at(self.model.decode(self.token_ids[:end])) is None:
+                end += 1
+            del self.token_ids[end:]
 
-    def _stops_in(self, tokens: int) -> bool:
-        text = self.model.decode(self.token_ids[:tokens])
-        return any(s in text for s in self.stops)
+    def _stop_at(self, text: str) -> int | None:
+        """Where the first stop string in `text` starts (None: none is in it)."""
+        found = [text.find(s) for s in self.stops if s in text]
+        return min(found) if found else None
 
     def text(self) -> str:
         return self._text

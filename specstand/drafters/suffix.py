@@ -6,7 +6,8 @@ exists), and a draft grows from the matched node along the most frequent child w
 probability (product of child/parent count ratios) stays >= min_token_prob. Each candidate is scored by
 the sum of its path probabilities (its expected accepted length); the best over all m and over the
 request's own tree and the global tree wins. Written here in plain Python with
-Arctic's rules (arctic-inference 0.3.0 is a source-only package on PyPI).
+Arctic's rules (arctic-inference 0.3.0 is a source-only package on PyPI); a request's tree leaves the paths
+that occurred once as chains read from its tokens (SuffixTree's docstring).
 """
 
 from __future__ import annotations
@@ -31,61 +32,106 @@ class Candidate(NamedTuple):
 
 
 ROOT = 0
+# undo log entries: a chain node made under a parent, a count raised, a chain node shared (made into a node)
+_MADE, _COUNTED, _SHARED = 0, 1, 2
+Cursor = tuple[int, int]  # a node and how many tokens below it along its chain (0: the node itself)
 
 
 class SuffixTree:
     """Nodes are ids into two flat lists, their counts and their children (token -> child id): a prompt adds
-    tens of thousands of nodes, and as objects each would be scanned by CPython's cyclic collector on every
-    full collection (measured in a 4-user server: 0.1-0.3 s pauses of the engine thread, several a minute).
-    A dict of ints is never tracked by the collector, so these lists cost it one object each."""
+    thousands of nodes, and as objects each would be scanned by CPython's cyclic collector on every full
+    collection (measured in a 4-user server: 0.1-0.3 s pauses of the engine thread, several a minute). A dict of
+    ints is never tracked by the collector, so these lists cost it one object each.
+
+    A tree indexes either one growing sequence (`append`, `undo`) or independent sequences (`add`), not both. An
+    appending tree keeps a node that occurred once as a chain: its subtree is what followed that one occurrence,
+    read from `tokens`. Windows of a prompt share few nodes (a 2000-token prompt of the demo: 2.5 shared nodes a
+    token, 19 single ones), so appending steps only the windows still on shared nodes; a chain's next node is
+    made when a second occurrence reaches it."""
 
     def __init__(self, max_depth: int) -> None:
         self.max_depth = max_depth
         self.counts = [0]
         self.children: list[dict[int, int]] = [{}]
+        self.tokens: list[int] = []  # the sequence appended
+        self._chains: dict[int, tuple[int, int]] = {}  # chain node -> (where its occurrence goes on in tokens, depth)
         self._free: list[int] = []  # ids of removed nodes, reused before the lists grow
-        self._open: list[int] = []  # deepest nodes of the windows still growing (appending mode)
-        # appends since start_undo_log: (parent, token, child, whether the child was made), and the windows then
-        self._undo: list[tuple[int, int, int, bool]] | None = None
-        self._open_at_log: list[int] = []
+        self._open: list[Cursor] = []  # (node, depth) of the growing windows on shared nodes, oldest first
+        self._undo: list[tuple[int, ...]] | None = None  # appends since start_undo_log
+        self._at_log: tuple[list[Cursor], int] = ([], 0)  # the growing windows and the length then
 
     def count(self, path: list[int]) -> int:
         """How often `path` occurred (0: never)."""
-        node = self._walk(path)
-        return 0 if node is None else self.counts[node]
+        cursor = self._walk(path)
+        return 0 if cursor is None else self.counts[cursor[0]]
 
     def append(self, token: int) -> None:
         """Extend the one sequence this tree indexes by a token (every window ending here grows)."""
-        counts, children, grown, log = self.counts, self.children, [], self._undo
-        for node in [*self._open, ROOT]:
+        counts, children, chains, log = self.counts, self.children, self._chains, self._undo
+        self.tokens.append(token)
+        grown = []
+        for node, depth in [*self._open, (ROOT, 0)]:
             child = children[node].get(token)
-            made = child is None
-            if made:
+            if child is None:  # the window leaves the shared nodes: from here it is a chain
                 child = children[node][token] = self._new_node()
+                counts[child] = 1
+                chains[child] = (len(self.tokens), depth + 1)
+                if log is not None:
+                    log.append((_MADE, node, token, child))
+                continue
             counts[child] += 1
-            grown.append(child)
-            if log is not None:
-                log.append((node, token, child, made))
-        # a window that reached max_depth stops growing; windows are ordered oldest first
-        self._open = grown[1:] if len(grown) >= self.max_depth else grown
+            if counts[child] == 2:
+                self._share(child)
+            elif log is not None:
+                log.append((_COUNTED, child))
+            if depth + 1 < self.max_depth:  # a window of max_depth tokens stops growing
+                grown.append((child, depth + 1))
+        self._open = grown
+
+    def _share(self, node: int) -> None:
+        """A chain node's second occurrence: it becomes a node, and its first occurrence's next token a chain."""
+        at, depth = self._chains.pop(node)
+        made = -1
+        if depth < self.max_depth:  # at < len(tokens): the first occurrence came before this one
+            made = self.children[node][self.tokens[at]] = self._new_node()
+            self.counts[made] = 1
+            self._chains[made] = (at + 1, depth + 1)
+        if self._undo is not None:
+            self._undo.append((_SHARED, node, at, depth, made))
 
     def start_undo_log(self) -> None:
         """Record the appends from here on, so that `undo` can take them back (a request's answer)."""
-        self._undo, self._open_at_log = [], self._open.copy()
+        self._undo, self._at_log = [], (self._open.copy(), len(self.tokens))
 
     def undo(self) -> None:
-        """Take back every append since `start_undo_log`: the counts, children and growing windows of then."""
-        counts, children = self.counts, self.children
-        for node, token, child, made in reversed(self._undo or []):
-            counts[child] -= 1
-            if made:  # newest first, so its own children are gone already
-                del children[node][token]
-                if child == len(counts) - 1:
-                    counts.pop()
-                    children.pop()
-                else:
-                    self._free.append(child)
-        self._open, self._undo = self._open_at_log, None
+        """Take back every append since `start_undo_log`: the nodes, counts, chains and growing windows of then."""
+        counts, children, chains = self.counts, self.children, self._chains
+        for entry in reversed(self._undo or []):
+            if entry[0] == _COUNTED:
+                counts[entry[1]] -= 1
+            elif entry[0] == _MADE:
+                _, parent, token, child = entry
+                del children[parent][token]
+                self._drop(child)
+            else:
+                _, node, at, depth, made = entry
+                counts[node] = 1
+                if made >= 0:
+                    del children[node][self.tokens[at]]
+                    self._drop(made)
+                chains[node] = (at, depth)
+        self._open, length = self._at_log
+        del self.tokens[length:]
+        self._undo = None
+
+    def _drop(self, node: int) -> None:
+        """Free a chain node taken back by undo (newest first, so nothing hangs below it)."""
+        del self._chains[node]
+        if node == len(self.counts) - 1:
+            self.counts.pop()
+            self.children.pop()
+        else:
+            self._free.append(node)
 
     def add(self, tokens: list[int], delta: int = 1) -> None:
         """Add (delta=1) or remove (delta=-1) every window of an independent sequence."""
@@ -129,43 +175,67 @@ class SuffixTree:
         tokens it accepts (the most frequent such child)."""
         best = Candidate([], 0.0, [])
         for m in range(1, min(len(context), self.max_depth - 1) + 1):
-            node = self._walk(context[-m:])
-            if node is None:
+            cursor = self._walk(context[-m:])
+            if cursor is None:
                 break  # a longer suffix contains this one, so it cannot match either
-            candidate = self._grow(node, min(max_tokens, int(m * max_spec_factor)), min_prob, keep)
+            candidate = self._grow(cursor, min(max_tokens, int(m * max_spec_factor)), min_prob, keep)
             if candidate.score > best.score:
                 best = candidate
         return best
 
-    def _walk(self, tokens: list[int]) -> int | None:
+    def _walk(self, path: list[int]) -> Cursor | None:
         node: int | None = ROOT
-        for token in tokens:
-            node = self.children[node].get(token)
+        children, chains = self.children, self._chains
+        for i, token in enumerate(path):
+            chain = chains.get(node)
+            if chain is not None:
+                return self._walk_chain(node, chain, path[i:])
+            node = children[node].get(token)
             if node is None:
                 return None
-        return node
+        return node, 0
 
-    def _grow(self, node: int, max_tokens: int, min_prob: float, keep: Keep | None = None) -> Candidate:
+    def _walk_chain(self, node: int, chain: tuple[int, int], path: list[int]) -> Cursor | None:
+        at, depth = chain
+        if depth + len(path) > self.max_depth or self.tokens[at : at + len(path)] != path:
+            return None
+        return node, len(path)
+
+    def _next(self, cursor: Cursor) -> list[tuple[int, Cursor]]:
+        """The tokens that follow a cursor, in the order they first occurred, each with its cursor."""
+        node, below = cursor
+        chain = self._chains.get(node)
+        if chain is None:
+            return [(token, (child, 0)) for token, child in self.children[node].items()]
+        at, depth = chain
+        if depth + below < self.max_depth and at + below < len(self.tokens):
+            return [(self.tokens[at + below], (node, below + 1))]
+        return []
+
+    def _grow(self, cursor: Cursor, max_tokens: int, min_prob: float, keep: Keep | None = None) -> Candidate:
         counts, draft, probs, prob = self.counts, [], [], 1.0
-        while len(draft) < max_tokens and self.children[node]:
+        while len(draft) < max_tokens:
+            options = self._next(cursor)
+            if not options:
+                break
             if keep is None:
-                token, child = max(self.children[node].items(), key=lambda item: counts[item[1]])
+                token, child = max(options, key=lambda option: counts[option[1][0]])
             else:
-                ranked = sorted(self.children[node].items(), key=lambda item: -counts[item[1]])[:KEEP_TRIES]
+                ranked = sorted(options, key=lambda option: -counts[option[1][0]])[:KEEP_TRIES]
                 kept = _best_fit(ranked, draft, keep)
                 if kept is None:
                     break
                 token, child = kept
-            prob *= counts[child] / counts[node]
+            prob *= counts[child[0]] / counts[cursor[0]]
             if prob < min_prob:
                 break
             draft.append(token)
             probs.append(prob)
-            node = child
+            cursor = child
         return Candidate(draft, sum(probs), probs)
 
 
-def _best_fit(ranked: list[tuple[int, int]], draft: list[int], keep: Keep) -> tuple[int, int] | None:
+def _best_fit(ranked: list[tuple[int, Cursor]], draft: list[int], keep: Keep) -> tuple[int, Cursor] | None:
     """The first child (most frequent first) that fits best; a perfect fit (0) ends the search."""
     best, best_fit = None, None
     for item in ranked:
@@ -184,8 +254,8 @@ class SuffixConfig:
     max_spec_factor: float = 1.0
     max_cached_responses: int = 10_000
     # prompts' trees kept, once their requests end, to start later prompts that extend them (an agent's next
-    # call extends its last prompt): indexing a 2000-token prompt anew took 15-20 ms of the engine thread a
-    # call; about 10 MB each
+    # call extends its last prompt): indexing a 2000-token prompt anew takes about 5 ms of the engine thread;
+    # about 2 MB each
     max_cached_prompts: int = 8
 
 
@@ -196,31 +266,32 @@ class SuffixDrafter(Drafter):
         self.config = config or SuffixConfig()
         self.global_tree = SuffixTree(self.config.max_depth)
         self._responses: deque[list[int]] = deque()
-        self._local: dict[int, tuple[list[int], SuffixTree]] = {}  # request -> its prompt, its tree
+        self._local: dict[int, SuffixTree] = {}  # request -> the tree of its prompt (and answer so far)
         # ended requests' prompt trees, newest last; the oldest drop out past max_cached_prompts
-        self._idle: deque[tuple[list[int], SuffixTree]] = deque(maxlen=self.config.max_cached_prompts)
+        self._idle: deque[SuffixTree] = deque(maxlen=self.config.max_cached_prompts)
 
     def begin(self, seq: SequenceView) -> None:
-        prompt = list(seq.token_ids)
-        tree, start = self._idle_head(prompt)
-        for token in prompt[start:]:
+        prompt = seq.token_ids
+        tree = self._idle_head(prompt)
+        for token in prompt[len(tree.tokens) :]:
             tree.append(token)
         if self.config.max_cached_prompts > 0:
             tree.start_undo_log()  # the answer's windows are taken back when the request ends
-        self._local[seq.request_id] = (prompt, tree)
+        self._local[seq.request_id] = tree
 
-    def _idle_head(self, prompt: list[int]) -> tuple[SuffixTree, int]:
-        """The idle tree of the longest cached prompt that `prompt` starts with (taken out of the cache) and that
-        prompt's length, or a new tree and 0: appending the rest gives the nodes of appending `prompt` whole."""
+    def _idle_head(self, prompt: list[int]) -> SuffixTree:
+        """The idle tree of the longest cached prompt that `prompt` starts with (taken out of the cache), or a new
+        tree: appending the rest of `prompt` gives the tree of appending it whole."""
         best, best_length = None, -1
-        for i, (cached, _) in enumerate(self._idle):
+        for i, tree in enumerate(self._idle):
+            cached = tree.tokens
             if best_length < len(cached) <= len(prompt) and prompt[: len(cached)] == cached:
                 best, best_length = i, len(cached)
         if best is None:
-            return SuffixTree(self.config.max_depth), 0
-        _, tree = self._idle[best]
+            return SuffixTree(self.config.max_depth)
+        tree = self._idle[best]
         del self._idle[best]
-        return tree, best_length
+        return tree
 
     def propose(self, seq: SequenceView, max_tokens: int, keep: Keep | None = None) -> Draft:
         """With `keep` (a composing drafter's rule, e.g. a schema's), drafts grow only by tokens it accepts."""
@@ -228,14 +299,14 @@ class SuffixDrafter(Drafter):
             return Draft([])
         context = seq.token_ids[-self.config.max_depth :]
         cfg = self.config
-        local = self._local[seq.request_id][1].best_draft(context, max_tokens, cfg.min_token_prob, cfg.max_spec_factor,
+        local = self._local[seq.request_id].best_draft(context, max_tokens, cfg.min_token_prob, cfg.max_spec_factor,
                                                        keep)
         shared = self.global_tree.best_draft(context, max_tokens, cfg.min_token_prob, cfg.max_spec_factor, keep)
         best = max(local, shared, key=lambda candidate: candidate.score)
         return Draft(best.tokens, confidence=best.probs)
 
     def extend(self, seq: SequenceView, new_tokens: list[int], hidden: HiddenRows | None = None) -> None:
-        tree = self._local[seq.request_id][1]
+        tree = self._local[seq.request_id]
         for token in new_tokens:
             tree.append(token)
 
@@ -245,11 +316,10 @@ class SuffixDrafter(Drafter):
         self._idle.clear()
 
     def end(self, seq: SequenceView) -> None:
-        local = self._local.pop(seq.request_id, None)
-        if local is not None and self.config.max_cached_prompts > 0:
-            prompt, tree = local
+        tree = self._local.pop(seq.request_id, None)
+        if tree is not None and self.config.max_cached_prompts > 0:
             tree.undo()
-            self._idle.append((prompt, tree))
+            self._idle.append(tree)
         response = seq.output_ids
         if not response or self.config.max_cached_responses <= 0:
             return

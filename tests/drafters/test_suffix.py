@@ -1,3 +1,7 @@
+import random
+
+import pytest
+
 from specstand.drafters import SequenceView, SuffixConfig
 from specstand.drafters.suffix import SuffixDrafter, SuffixTree
 
@@ -96,20 +100,26 @@ def test_local_tree_follows_extensions():
 
 
 def _nodes(tree, node=0):
-    return {t: (tree.counts[c], _nodes(tree, c)) for t, c in tree.children[node].items()}
+    """The tree as it is held: each node's count, its chain (if it is one) and its children, by token."""
+    return {t: (tree.counts[c], tree._chains.get(c), _nodes(tree, c)) for t, c in tree.children[node].items()}
+
+
+def _paths(tree, cursor=(0, 0)):
+    """The tree as it reads: each path's count and what follows it, chains read out."""
+    return {t: (tree.counts[c[0]], _paths(tree, c)) for t, c in tree._next(cursor)}
 
 
 def test_undo_takes_back_an_answer_exactly():
     tree = SuffixTree(max_depth=4)
     for token in [1, 2, 3, 1, 2]:
         tree.append(token)
-    before = (_nodes(tree), list(tree._open), len(tree.counts))
+    before = (_nodes(tree), list(tree._open), list(tree.tokens), len(tree.counts))
     tree.start_undo_log()
-    for token in [3, 9, 1, 2, 9, 9]:  # new windows, new nodes and counts on old ones
+    for token in [3, 9, 1, 2, 9, 9]:  # new windows, new nodes, chains made nodes, counts on old ones
         tree.append(token)
     assert _nodes(tree) != before[0]
     tree.undo()
-    assert (_nodes(tree), tree._open, len(tree.counts)) == before
+    assert (_nodes(tree), tree._open, tree.tokens, len(tree.counts)) == before
 
 
 def _drafts_over(prompts: list[list[int]], cached: int) -> list[list[int]]:
@@ -143,18 +153,48 @@ def test_cached_prompt_trees_are_bounded_reused_and_forgotten():
         seq = SequenceView(i, [i, i + 1, i + 2], 3)
         drafter.begin(seq)
         drafter.end(seq)
-    assert [prompt for prompt, _ in drafter._idle] == [[2, 3, 4], [3, 4, 5]]
-    kept = drafter._idle[0][1]
+    assert [tree.tokens for tree in drafter._idle] == [[2, 3, 4], [3, 4, 5]]
+    kept = drafter._idle[0]
     longer = SequenceView(9, [2, 3, 4, 7], 4)
     drafter.begin(longer)  # starts from the cached tree of [2, 3, 4], taken out of the cache while in use
-    assert drafter._local[9][1] is kept and [prompt for prompt, _ in drafter._idle] == [[3, 4, 5]]
+    assert drafter._local[9] is kept and [tree.tokens for tree in drafter._idle] == [[3, 4, 5]]
     longer.token_ids += [8, 2]
     drafter.extend(longer, [8, 2])  # its answer
     drafter.end(longer)
-    assert [prompt for prompt, _ in drafter._idle] == [[3, 4, 5], [2, 3, 4, 7]]
+    assert [tree.tokens for tree in drafter._idle] == [[3, 4, 5], [2, 3, 4, 7]]
     fresh = SuffixTree(SuffixConfig().max_depth)
     for token in [2, 3, 4, 7]:
         fresh.append(token)
     assert _nodes(kept) == _nodes(fresh) and kept._open == fresh._open  # the answer's windows are gone
     drafter.forget()
     assert not drafter._idle
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_appending_reads_as_adding_the_sequence_whole(seed):
+    """Chains are how an appending tree is held, not what it says: every path's count and every draft equal
+    those of a tree that added the sequence's windows outright, also after answers are taken back."""
+    rng = random.Random(seed)
+    depth = rng.choice([2, 3, 5, 8])
+    tree = SuffixTree(depth)
+    for _ in range(3):
+        for _ in range(rng.randrange(1, 30)):
+            tree.append(rng.randrange(4))  # four tokens: many shared windows and repeats
+        answer_from = len(tree.tokens)
+        tree.start_undo_log()
+        for _ in range(rng.randrange(0, 12)):
+            tree.append(rng.randrange(5))
+        _assert_reads_as_added(tree, rng)
+        if rng.random() < 0.7:
+            tree.undo()
+            assert len(tree.tokens) == answer_from
+            _assert_reads_as_added(tree, rng)
+
+
+def _assert_reads_as_added(tree, rng):
+    added = SuffixTree(tree.max_depth)
+    added.add(tree.tokens)
+    assert _paths(tree) == _paths(added)
+    for _ in range(20):
+        context = [rng.randrange(5) for _ in range(rng.randrange(1, 10))]
+        assert tree.best_draft(context, 6, 0.1, 2.0) == added.best_draft(context, 6, 0.1, 2.0)

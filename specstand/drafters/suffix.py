@@ -184,15 +184,13 @@ class SuffixTree:
         return best
 
     def _walk(self, path: list[int]) -> Cursor | None:
-        node: int | None = ROOT
-        children, chains = self.children, self._chains
+        node, children, chains = ROOT, self.children, self._chains
         for i, token in enumerate(path):
-            chain = chains.get(node)
-            if chain is not None:
-                return self._walk_chain(node, chain, path[i:])
-            node = children[node].get(token)
-            if node is None:
-                return None
+            child = children[node].get(token)
+            if child is None:  # a chain node has no children of its own: the path may go on along its chain
+                chain = chains.get(node)
+                return None if chain is None else self._walk_chain(node, chain, path[i:])
+            node = child
         return node, 0
 
     def _walk_chain(self, node: int, chain: tuple[int, int], path: list[int]) -> Cursor | None:
@@ -212,20 +210,27 @@ class SuffixTree:
             return [(self.tokens[at + below], (node, below + 1))]
         return []
 
+    def _most_frequent(self, cursor: Cursor) -> tuple[int, Cursor] | None:
+        """The most frequent next token (the first to occur among equals) and its cursor; None at a leaf."""
+        node, below = cursor
+        children = self.children[node]
+        if children:
+            token, child = max(children.items(), key=lambda item: self.counts[item[1]])
+            return token, (child, 0)
+        options = self._next(cursor)  # a chain's one next token, if it goes on
+        return options[0] if options else None
+
     def _grow(self, cursor: Cursor, max_tokens: int, min_prob: float, keep: Keep | None = None) -> Candidate:
         counts, draft, probs, prob = self.counts, [], [], 1.0
         while len(draft) < max_tokens:
-            options = self._next(cursor)
-            if not options:
-                break
             if keep is None:
-                token, child = max(options, key=lambda option: counts[option[1][0]])
+                step = self._most_frequent(cursor)
             else:
-                ranked = sorted(options, key=lambda option: -counts[option[1][0]])[:KEEP_TRIES]
-                kept = _best_fit(ranked, draft, keep)
-                if kept is None:
-                    break
-                token, child = kept
+                ranked = sorted(self._next(cursor), key=lambda option: -counts[option[1][0]])[:KEEP_TRIES]
+                step = _best_fit(ranked, draft, keep)
+            if step is None:
+                break
+            token, child = step
             prob *= counts[child[0]] / counts[cursor[0]]
             if prob < min_prob:
                 break

@@ -1,11 +1,17 @@
-"""Files written whole or not at all: a crash mid-write never leaves a torn checkpoint, data file or report
-under its final name. Every module that writes results goes through here."""
+"""Where specstand keeps its files, and files written whole or not at all: a crash mid-write never leaves a torn
+checkpoint, data file or report under its final name. Every module that writes results goes through here."""
 
 from __future__ import annotations
 
 import os
 from collections.abc import Callable
 from pathlib import Path
+
+
+def specstand_home() -> Path:
+    """The folder for what specstand fetches, builds and measures once per machine: models, data, kernel builds,
+    dtype costs ($SPECSTAND_HOME, by default ~/.cache/specstand)."""
+    return Path(os.environ.get("SPECSTAND_HOME", Path.home() / ".cache" / "specstand"))
 
 
 def write_atomic(path: Path, write: Callable[[Path], object]) -> None:

@@ -15,13 +15,14 @@ DUPLICATE_LINES = 6
 
 # docs/architecture.md, "Layers": a package imports only from packages of a lower layer
 LAYERS = {
-    "files": 0, "kernels": 0,
-    "runner": 1,
-    "verification": 2, "drafters": 2, "models": 2,
-    "engine": 3, "workloads": 3,
-    "server": 4, "training": 4, "interop": 4, "recorder": 4,
-    "bench": 5,
-    "cli": 6,
+    "files": 0,
+    "kernels": 1,
+    "runner": 2,
+    "verification": 3, "drafters": 3, "models": 3,
+    "engine": 4, "workloads": 4,
+    "server": 5, "training": 5, "interop": 5, "recorder": 5,
+    "bench": 6,
+    "cli": 7,
 }
 
 

@@ -24,6 +24,8 @@ from types import ModuleType
 
 import torch
 
+from specstand.files import specstand_home
+
 SOURCES = ("linear.cpp", "linear_q8_0.cpp", "attention.cpp", "decoder.cpp")
 HEADERS = ("common.h", "linear.h", "tiles.h", "attention.h")
 PATHS = {"scalar": 0, "avx2": 1, "avx512bf16": 2, "amx": 3}  # the C++ Isa values, worst first
@@ -34,13 +36,8 @@ class KernelsUnavailable(RuntimeError):
     """The compiled kernels cannot run here; the message says why."""
 
 
-def cache_root() -> Path:
-    """Where specstand keeps what it builds and measures once per machine (SPECSTAND_CACHE)."""
-    return Path(os.environ.get("SPECSTAND_CACHE", Path.home() / ".cache" / "specstand"))
-
-
 def _cache_dir(digest: str) -> Path:
-    return cache_root() / "kernels" / digest
+    return specstand_home() / "kernels" / digest
 
 
 @cache

@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 
 from specstand import kernels
-from specstand.files import write_text_atomic
+from specstand.files import specstand_home, write_text_atomic
 from specstand.kernels import q8_0
 
 PASS_ROWS = (1, 8)  # a decode step and a verify of a few drafted tokens
@@ -76,7 +76,7 @@ def measure(n: int, k: int, path: str, repeats: int = 9) -> dict[str, float]:
 
 
 def _cache_file() -> Path:
-    return kernels.cache_root() / "dtype_costs.json"
+    return specstand_home() / "dtype_costs.json"
 
 
 def measured_costs(n: int, k: int, path: str) -> dict[str, float]:

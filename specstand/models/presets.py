@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import shutil
 import subprocess
 import sys
@@ -19,6 +18,7 @@ import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 
+from specstand.files import specstand_home
 from specstand.models import gguf_blocks
 
 
@@ -81,10 +81,6 @@ def default_tool_call_parser(model: str) -> str:
     <tool_call> tags too)."""
     preset = PRESETS.get(model)
     return preset.tool_call_parser if preset else "json"
-
-
-def specstand_home() -> Path:
-    return Path(os.environ.get("SPECSTAND_HOME", Path.home() / ".cache" / "specstand"))
 
 
 def preset_dir(name: str) -> Path:

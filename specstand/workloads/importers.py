@@ -16,7 +16,8 @@ import zipfile
 from collections.abc import Iterator
 from pathlib import Path
 
-from specstand.models.presets import pip_download, specstand_home
+from specstand.files import specstand_home
+from specstand.models.presets import pip_download
 from specstand.workloads.format import Call, Turn, WorkloadError
 
 NESTFUL_WHEEL = "nestful-wrapper==0.1.7"

@@ -29,7 +29,7 @@ def test_a_lock_left_by_a_killed_build_does_not_hang_the_next_load(tmp_path):
     stale = time.time() - kernels.STALE_BUILD_LOCK_SECONDS - 1
     os.utime(left, (stale, stale))
     loaded = subprocess.run([sys.executable, "-c", "from specstand import kernels; print(kernels.load().__file__)"],
-                            env={**os.environ, "SPECSTAND_CACHE": str(tmp_path)}, capture_output=True, text=True,
+                            env={**os.environ, "SPECSTAND_HOME": str(tmp_path)}, capture_output=True, text=True,
                             timeout=300)
     assert loaded.returncode == 0, loaded.stderr
     assert Path(loaded.stdout.strip()).parent == copy
@@ -46,7 +46,7 @@ def test_a_lock_of_a_build_still_running_is_waited_for(tmp_path):
     left = copy / "lock"
     left.touch()
     loading = subprocess.Popen([sys.executable, "-c", "from specstand import kernels; kernels.load()"],
-                               env={**os.environ, "SPECSTAND_CACHE": str(tmp_path)})
+                               env={**os.environ, "SPECSTAND_HOME": str(tmp_path)})
     try:
         time.sleep(5)
         assert loading.poll() is None and left.exists()  # still waiting, the other builder's lock untouched

@@ -29,7 +29,7 @@ def test_a_model_without_published_blocks_stays_bf16(monkeypatch):
 
 
 def test_costs_are_measured_once_per_machine_and_shape(monkeypatch, tmp_path):
-    monkeypatch.setenv("SPECSTAND_CACHE", str(tmp_path))
+    monkeypatch.setenv("SPECSTAND_HOME", str(tmp_path))
     calls = []
 
     def fake(n, k, path):

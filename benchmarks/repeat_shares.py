@@ -7,7 +7,8 @@ run shows here as a first run that drafts less. Reads report.json's per-run /met
     python benchmarks/repeat_shares.py DIR/report.json [MORE/report.json ...]
 
 prints, per target and user count, each run's share of target passes that verified a draft, tau over all
-passes, and wall seconds, in the order the runs ran.
+passes, the engine's "other" seconds (admission, verification, emission, and the drafter's own bookkeeping in
+begin, extend and end) and wall seconds, in the order the runs ran.
 """
 
 from __future__ import annotations
@@ -23,7 +24,8 @@ def run_line(run: dict) -> str:
     figures = drafting(run["metrics_delta"])
     if figures["tau"] is None:
         return f"{run['wall_s']:.1f}s (no specstand metrics)"
-    return f"{figures['drafted_passes']:4.0%} tau {figures['tau']:.2f} {run['wall_s']:.1f}s"
+    other = run["metrics_delta"].get("specstand:engine_seconds_total[phase=other]", float("nan"))
+    return f"{figures['drafted_passes']:4.0%} tau {figures['tau']:.2f} other {other:.2f}s {run['wall_s']:.1f}s"
 
 
 def main() -> None:
@@ -32,7 +34,8 @@ def main() -> None:
     for path in parser.parse_args().reports:
         report = json.loads(path.read_text())
         print(f"{path}{'' if report['complete'] else ' (incomplete)'}")
-        print("  target, users, warm: each run's passes that verified a draft, tau over all passes, wall time")
+        print("  target, users, warm: each run's passes that verified a draft, tau over all passes, "
+              "the engine's other seconds, wall time")
         lines: dict[tuple, list[str]] = {}
         for run in report["runs"]:
             lines.setdefault((run["target"], run["users"], run.get("warm", "")), []).append(run_line(run))

@@ -104,9 +104,12 @@ class SuffixTree:
         self._undo, self._at_log = [], (self._open.copy(), len(self.tokens))
 
     def undo(self) -> None:
-        """Take back every append since `start_undo_log`: the nodes, counts, chains and growing windows of then."""
+        """Take back every append since `start_undo_log`: the nodes, counts, chains and growing windows of then.
+        Without a log (none started, or taken back already) there is nothing to take back."""
+        if self._undo is None:
+            return
         counts, children, chains = self.counts, self.children, self._chains
-        for entry in reversed(self._undo or []):
+        for entry in reversed(self._undo):
             if entry[0] == _COUNTED:
                 counts[entry[1]] -= 1
             elif entry[0] == _MADE:

@@ -122,6 +122,18 @@ def test_undo_takes_back_an_answer_exactly():
     assert (_nodes(tree), tree._open, tree.tokens, len(tree.counts)) == before
 
 
+def test_undo_without_a_log_takes_nothing_back():
+    tree = SuffixTree(max_depth=4)
+    for token in [1, 2]:
+        tree.append(token)
+    tree.undo()  # no log started
+    tree.start_undo_log()
+    tree.append(3)
+    tree.undo()
+    tree.undo()  # the log is spent
+    assert tree.tokens == [1, 2] and tree.count([1, 2]) == 1 and tree.count([2, 3]) == 0
+
+
 def _drafts_over(prompts: list[list[int]], cached: int) -> list[list[int]]:
     """Each prompt is a request: two drafts, one accepted token between them; requests 2 and 3 overlap."""
     drafter, made = SuffixDrafter(SuffixConfig(max_depth=6, max_cached_prompts=cached)), []

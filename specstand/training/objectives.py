@@ -39,10 +39,13 @@ class BlockBatch:
 
 
 def block_batch(model: DFlashModel, pack: Pack, t2d: torch.Tensor, anchors_wanted: int,
-                generator: torch.Generator) -> BlockBatch:
+                generator: torch.Generator) -> BlockBatch | None:
+    """The sampled blocks, or None where the pack has no anchor (every response a single token)."""
     count, label = len(pack.tokens), pack.next_label
     # an anchor holds an emitted response token (chosen at a-1) with at least one response token after it
     candidates = torch.nonzero((label[:-1] >= 0) & (label[1:] >= 0)).flatten() + 1
+    if not len(candidates):
+        return None
     anchors = candidates[torch.randperm(len(candidates), generator=generator)[:anchors_wanted]].sort().values
     hidden = model.training_hidden(pack.taps, pack.tokens, pack.positions, pack.docs, anchors)
     source = anchors[:, None] + torch.arange(model.num_drafts)[None]
@@ -51,6 +54,14 @@ def block_batch(model: DFlashModel, pack: Pack, t2d: torch.Tensor, anchors_wante
     valid = inside & (label[source] >= 0) & (pack.docs[source] == pack.docs[anchors][:, None])
     labels = torch.where(label[source] >= 0, t2d[label[source].clamp_min(0)], -1)
     return BlockBatch(hidden, labels, valid, pack.tokens[source], source)
+
+
+def no_blocks(model: DFlashModel) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """What a pack without an anchor teaches a block drafter: nothing. A zero loss that still reaches every
+    trained parameter (the ranks all-reduce every gradient), no accuracy per position (NaN: the running one
+    stays as it is) and none accepted."""
+    loss = sum(p.sum() for p in model.parameters() if p.requires_grad) * 0.0
+    return loss, torch.full((model.num_drafts,), float("nan")), torch.zeros(model.num_drafts)
 
 
 def position_weights(config: TrainConfig, running_q: torch.Tensor) -> torch.Tensor:
@@ -70,6 +81,8 @@ def dflash_objective(model: DFlashModel, pack: Pack, t2d: torch.Tensor, config: 
                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Loss, q per position (for D-PACE) and accepted-prefix rate per position over sampled anchors."""
     batch = block_batch(model, pack, t2d, config.anchors, generator)
+    if batch is None:
+        return no_blocks(model)
     logits = model.target.head(batch.hidden)
     loss, q = dflash_loss(logits, batch.labels, batch.valid, position_weights(config, running_q))
     return loss, q, accepted_prefix((logits.argmax(-1) == batch.labels) & batch.valid)
@@ -82,6 +95,8 @@ def dspark_objective(model: DSparkModel, pack: Pack, t2d: torch.Tensor, config: 
     along an accepted prefix that is what the drafter itself chose), the confidence head on detached
     features (a probe of the drafter, not a pull on it)."""
     batch = block_batch(model, pack, t2d, config.anchors, generator)
+    if batch is None:
+        return no_blocks(model)
     logits, embedding = model.position_logits(batch.hidden, batch.prev)
     with torch.no_grad():  # the target's distribution over the draft vocabulary, as EAGLE-3 distils it
         target_probs = torch.softmax(model.target.head(pack.final[batch.source]), -1)
@@ -98,6 +113,8 @@ def dflash2_objective(model: DFlash2Model, pack: Pack, t2d: torch.Tensor, config
     the target's token among the top-k candidates (teacher-forced predecessor); a target token missing
     from the top-k replaces the weakest candidate, so the ranker always has the right answer to learn."""
     batch = block_batch(model, pack, t2d, config.anchors, generator)
+    if batch is None:
+        return no_blocks(model)
     weights = position_weights(config, running_q)
     unary = model.target.head(batch.hidden)
     loss, q = dflash_loss(unary, batch.labels, batch.valid, weights)

@@ -46,6 +46,26 @@ def test_loss_falls(method, trained, tiny_target, tiny_data):
     assert after < 0.75 * before, (before, after)
 
 
+@pytest.mark.parametrize("method", sorted(BLOCK_OBJECTIVES))
+def test_a_pack_without_an_anchor_teaches_a_block_drafter_nothing(method, trained, tiny_target, tiny_data):
+    """Rows whose answers are one token each hold no block to draft: a zero loss that still reaches every
+    trained parameter (ranks all-reduce them all), not a crash."""
+    model = load_drafter_model(trained[method, 1], tiny_target.decoder.weights.embed_tokens,
+                               tiny_target.decoder.weights.lm_head)
+    _, rows = load_rows(tiny_data)
+    features = TargetFeatures(tiny_target.decoder, model.spec.tap_layers, 512)
+    pack = pack_rows([features(r.prompt_ids, r.response_ids[:1]) for r in rows if r.split == "train"][:3],
+                     model.spec.tap_layers)
+    t2d = target_to_draft(model.d2t, model.spec.target_vocab_size)
+    config = TrainConfig(method, [str(tiny_data)], "unused")
+    loss, q, accepted = BLOCK_OBJECTIVES[method](model, pack, t2d, config, torch.Generator().manual_seed(0),
+                                                 torch.zeros(model.num_drafts))
+    loss.backward()
+    assert loss.item() == 0 and torch.isnan(q).all() and not accepted.any()
+    trained_parameters = [p for p in model.parameters() if p.requires_grad]
+    assert trained_parameters and all(p.grad is not None and not p.grad.any() for p in trained_parameters)
+
+
 def _requests(data: Path, target) -> list[Request]:
     _, rows = load_rows(data)
     return [Request(r.prompt_ids, 40, SamplingParams(), target.stop_token_ids) for r in rows if r.split == "train"]

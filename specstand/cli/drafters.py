@@ -106,7 +106,8 @@ def _add_format_parsers(commands: argparse._SubParsersAction) -> None:
     """`export` and `import`: a trained drafter to and from other formats."""
     export = commands.add_parser("export", help="write a trained drafter in another format")
     export.add_argument("--format", choices=["speculators"], default="speculators", help="the format to write")
-    export.add_argument("--model", default=None, help="the target (for its head rows); default: the drafter's")
+    export.add_argument("--model", default=None,
+                        help="the target (for its head rows): the one it was trained for, the default")
     export.add_argument("drafter", type=Path, help="the trained drafter's folder")
     export.add_argument("out", type=Path, help="folder to write")
 
@@ -309,7 +310,8 @@ def cmd_export(args: argparse.Namespace) -> None:
     from specstand.models import load_model
 
     spec = read_spec(args.drafter)
-    model = load_model(args.model or spec.target, "bf16", 2048, log=log)
+    args.model = _recorded_target(args.model, [(spec.target, str(args.drafter))])
+    model = load_model(args.model, "bf16", 2048, log=log)
     export_speculators(args.drafter, model, args.out)
     log(f"wrote {args.out / 'config.json'} and {args.out / 'model.safetensors'} (speculators {spec.method})")
 

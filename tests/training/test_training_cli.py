@@ -126,6 +126,7 @@ def test_training_commands_take_the_recorded_target_and_refuse_another(capsys, m
     (heldout / "rows.jsonl").write_text("".join(json.dumps({**r, "split": "heldout"}) + "\n" for r in rows))
     commands = [("train", "--method", "dflash", "--data", str(tiny_data), "--out", str(tmp_path / "d")),
                 ("eval-drafter", "--drafter", str(drafter), "--data", str(heldout)),
+                ("export", str(drafter), str(tmp_path / "exported")),
                 ("train-data", "--workload", str(workload), "--out", str(tiny_data))]  # resumes: keeps its target
     for argv in commands:
         assert _target_of(capsys, monkeypatch, *argv)[0] == str(tiny_model_dir), argv

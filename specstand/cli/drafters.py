@@ -183,7 +183,14 @@ def _turns_to_answer(workloads: list[Path], limit_calls: int | None) -> list[Tur
     """The workloads' turns, as many whole ones as fit in `limit_calls`, so the split by turn stays clean."""
     from specstand.workloads import load_workload
 
-    turns = [turn for path in workloads for turn in load_workload(path)]
+    turns, seen = [], {}
+    for path in workloads:
+        for turn in load_workload(path):
+            if turn.turn_id in seen:  # its rows would be answered twice, and a resumed run would keep one
+                raise CliError(f"turn {turn.turn_id!r} is in {seen[turn.turn_id]} and in {path}: "
+                               "turn ids must be unique across --workload files")
+            seen[turn.turn_id] = path
+            turns.append(turn)
     if limit_calls is not None:
         kept, count = [], 0
         for turn in turns:

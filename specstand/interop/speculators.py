@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import replace
 from pathlib import Path
 
@@ -176,9 +178,28 @@ def _read(source: Path) -> tuple[dict, dict[str, torch.Tensor]]:
     config_path, weights_path = Path(source) / "config.json", Path(source) / WEIGHTS
     if not config_path.is_file() or not weights_path.is_file():
         raise DrafterLoadError(f"{source} needs config.json and {WEIGHTS}")
+    try:
+        config = json.loads(config_path.read_text())
+    except json.JSONDecodeError as error:
+        raise DrafterLoadError(f"{config_path} is not valid JSON ({error})") from None
+    if not isinstance(config, dict):
+        raise DrafterLoadError(f"{config_path} holds a {type(config).__name__}, not a JSON object")
     with safe_open(str(weights_path), framework="pt") as f:
         tensors = {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118 - safe_open is not iterable
-    return json.loads(config_path.read_text()), tensors
+    return config, tensors
+
+
+@contextmanager
+def _config_fields(source: Path) -> Iterator[None]:
+    """A config missing a field, or holding one of the wrong kind, is a DrafterLoadError naming it."""
+    try:
+        yield
+    except DrafterLoadError:
+        raise
+    except KeyError as error:
+        raise DrafterLoadError(f"{source}/config.json has no {error.args[0]!r}") from None
+    except (TypeError, AttributeError, ValueError) as error:
+        raise DrafterLoadError(f"{source}/config.json is not a drafter config this reads: {error}") from None
 
 
 def _spec_from_layer_config(method: str, layer: dict, target: str, taps: list[int], draft_vocab: int,
@@ -195,11 +216,8 @@ def _spec_from_layer_config(method: str, layer: dict, target: str, taps: list[in
     )
 
 
-def import_speculators(source: Path, out: Path, target: str | None = None) -> DrafterSpec:
-    config, tensors = _read(source)
-    method = config.get("speculators_model_type")
-    if method not in ARCHITECTURES:
-        raise DrafterLoadError(f"{source}: speculators_model_type {method!r} is not one of {', '.join(ARCHITECTURES)}")
+def _speculators_spec(config: dict, method: str) -> DrafterSpec:
+    """The drafter's spec from a speculators config: ours as written, or from its layer config."""
     verifier = config.get("speculators_config", {}).get("verifier", {})
     if "specstand_spec" in config:
         spec = DrafterSpec(**config["specstand_spec"])
@@ -222,6 +240,16 @@ def import_speculators(source: Path, out: Path, target: str | None = None) -> Dr
     # the checkpoint's own word on its block layout (DSpark's default: the anchor row drafts first); read
     # wrong, every draft is one slot off and acceptance falls to about nothing
     spec.sample_from_anchor = bool(config.get("sample_from_anchor", method == "dspark"))
+    return spec
+
+
+def import_speculators(source: Path, out: Path, target: str | None = None) -> DrafterSpec:
+    config, tensors = _read(source)
+    method = config.get("speculators_model_type")
+    if method not in ARCHITECTURES:
+        raise DrafterLoadError(f"{source}: speculators_model_type {method!r} is not one of {', '.join(ARCHITECTURES)}")
+    with _config_fields(source):
+        spec = _speculators_spec(config, method)
     if target:
         spec = replace(spec, target=target)
     offsets = tensors.pop("d2t", None)
@@ -252,9 +280,10 @@ def import_dflash_zlab(source: Path, out: Path, target: str | None = None) -> Dr
     if not dflash or "target_layer_ids" not in dflash:
         raise DrafterLoadError(f"{source}: no dflash_config.target_layer_ids, not a z-lab DFlash checkpoint")
     layer = {**config, "model_type": "qwen3" if any(".q_norm." in k for k in tensors) else "llama"}
-    spec = _spec_from_layer_config("dflash", layer, target or config.get("_name_or_path", ""),
-                                   [i + 1 for i in dflash["target_layer_ids"]], config["vocab_size"],
-                                   config.get("block_size", 16), dflash.get("mask_token_id", 0))
+    with _config_fields(source):
+        spec = _spec_from_layer_config("dflash", layer, target or config.get("_name_or_path", ""),
+                                       [i + 1 for i in dflash["target_layer_ids"]], config["vocab_size"],
+                                       config.get("block_size", 16), dflash.get("mask_token_id", 0))
     ours = {k: v for k, v in tensors.items() if k not in ("embed_tokens.weight", "lm_head.weight")}
     check_spec(spec, source, torch.arange(spec.target_vocab_size))
     save_tensors(spec, {**ours, "d2t": torch.arange(spec.target_vocab_size)}, out)

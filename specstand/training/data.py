@@ -228,6 +228,8 @@ def recorded_model(folder: Path) -> tuple[str, Path] | None:
                 data = json.loads(f.read() if path.name == META else f.readline())
         except (OSError, json.JSONDecodeError):
             continue  # not ours to judge here: reading the rows reports it
+        if not isinstance(data, dict):
+            continue  # likewise
         model = data.get("model") if path.name == META else (data.get("config") or {}).get("model")
         if isinstance(model, str):
             return model, path
@@ -238,7 +240,12 @@ def load_rows(folder: Path) -> tuple[dict, list[TrainRow]]:
     folder = Path(folder)
     if not (folder / ROWS).is_file() or not (folder / META).is_file():
         raise ValueError(f"{folder} is not a train-data folder ({ROWS} and {META} expected)")
-    meta = json.loads((folder / META).read_text())
+    try:
+        meta = json.loads((folder / META).read_text())
+    except json.JSONDecodeError as error:
+        raise ValueError(f"{folder / META}: not valid JSON ({error})") from None
+    if not isinstance(meta, dict):
+        raise ValueError(f"{folder / META}: a {type(meta).__name__}, not a JSON object")
     rows = []
     with (folder / ROWS).open() as f:
         for number, line in enumerate(f, 1):
@@ -247,6 +254,18 @@ def load_rows(folder: Path) -> tuple[dict, list[TrainRow]]:
             except (json.JSONDecodeError, TypeError) as error:
                 raise ValueError(f"{folder / ROWS} line {number}: not a train row ({error})") from None
     return meta, rows
+
+
+def _check_split(folders: list[Path], metas: list[dict], rows: list[TrainRow]) -> None:
+    """Folders split by another held-out share would train on turns that another holds out (and evaluate on
+    them): refused."""
+    train = {row.turn_id for row in rows if row.split == "train"}
+    both = sorted({row.turn_id for row in rows if row.split == "heldout"} & train)
+    if both:
+        shares = ", ".join(f"{folder}: {meta.get('heldout_share', '?')}" for folder, meta in zip(folders, metas,
+                                                                                             strict=True))
+        raise ValueError(f"turn {both[0]!r} ({len(both)} in all) is trained on in one folder and held out in "
+                         f"another (held-out shares {shares}); write them with one --heldout")
 
 
 def load_datasets(folders: list[Path]) -> tuple[dict, list[TrainRow]]:
@@ -258,6 +277,7 @@ def load_datasets(folders: list[Path]) -> tuple[dict, list[TrainRow]]:
         meta, more = load_rows(folder)
         metas.append(meta)
         rows += more
+    _check_split(folders, metas, rows)
     first = metas[0]
     for folder, meta in zip(folders[1:], metas[1:], strict=True):
         if (meta.get("model"), meta.get("dtype")) != (first.get("model"), first.get("dtype")):

@@ -196,3 +196,20 @@ def test_import_range_checks_the_config(field, value, named, drafters, tiny_targ
     with pytest.raises(DrafterLoadError, match=named):
         import_speculators(exported, tmp_path / "back")
     assert not (tmp_path / "back").exists()
+
+
+@pytest.mark.parametrize(("change", "named"), [
+    (lambda config: [1], "holds a list, not a JSON object"),
+    (lambda config: {**config, "specstand_spec": {**config["specstand_spec"], "colour": 1}}, "colour"),
+    (lambda config: {k: v for k, v in config.items() if k not in ("specstand_spec", "draft_vocab_size")},
+     "has no 'draft_vocab_size'"),
+    (lambda config: {**{k: v for k, v in config.items() if k != "specstand_spec"}, "transformer_layer_config": 3},
+     "not a drafter config this reads"),
+])
+def test_import_names_what_is_wrong_with_a_config(change, named, drafters, tiny_target, tmp_path):
+    exported = tmp_path / "speculators"
+    export_speculators(drafters["dflash"], tiny_target, exported)
+    (exported / "config.json").write_text(json.dumps(change(json.loads((exported / "config.json").read_text()))))
+    with pytest.raises(DrafterLoadError, match=named):
+        import_speculators(exported, tmp_path / "back")
+    assert not (tmp_path / "back").exists()

@@ -16,6 +16,8 @@ from specstand.training.data import (
     generate_rows,
     heldout_turn,
     load_datasets,
+    load_rows,
+    recorded_model,
     save_rows,
     subset_turn,
 )
@@ -140,3 +142,32 @@ def test_several_folders_load_as_one_dataset_of_one_target(tmp_path):
     assert meta["rows"] == 5 and meta["response_tokens"] == 3 + 6 and meta["workloads"] == ["a.jsonl", "b.jsonl"]
     with pytest.raises(ValueError, match="answers of another"):
         load_datasets([a, other])
+
+
+def test_folders_that_split_a_turn_differently_are_refused(tmp_path):
+    """One folder trains on a turn that another holds out (written with another --heldout): the drafter would
+    be evaluated on what it learned."""
+    for name, split in (("a", "train"), ("b", "heldout")):
+        save_rows(tmp_path / name, [TrainRow("t1", "c", split, [1, 2], [3]), TrainRow(f"{name}-only", "c", split,
+                                                                                  [1], [2])],
+                  {"model": "m", "dtype": "bf16", "heldout_share": 0.2 if name == "a" else 0.5})
+    with pytest.raises(ValueError, match="'t1'.*trained on in one folder and held out in another.*0.2.*0.5"):
+        load_datasets([tmp_path / "a", tmp_path / "b"])
+
+
+def test_a_meta_that_is_not_an_object_is_a_readable_error(tmp_path):
+    save_rows(tmp_path, [TrainRow("t", "c", "train", [1], [2])], {"model": "m"})
+    (tmp_path / "meta.json").write_text("[1]")
+    assert recorded_model(tmp_path) is None
+    with pytest.raises(ValueError, match="meta.json: a list, not a JSON object"):
+        load_rows(tmp_path)
+
+
+def test_turn_ids_repeated_across_workloads_are_refused(tiny_model_dir, tmp_path, capsys):
+    for name in ("a", "b"):
+        save_workload(tiny_turns(2), tmp_path / f"{name}.jsonl")
+    code = main(["train-data", "--model", str(tiny_model_dir), "--workload", str(tmp_path / "a.jsonl"),
+                 "--workload", str(tmp_path / "b.jsonl"), "--out", str(tmp_path / "data")])
+    err = capsys.readouterr().err
+    assert code == 2 and len(err.strip().splitlines()) == 1 and "must be unique across --workload" in err
+    assert not (tmp_path / "data").exists()

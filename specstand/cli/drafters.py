@@ -280,6 +280,7 @@ def cmd_train(args: argparse.Namespace) -> None:
 
 def cmd_eval_drafter(args: argparse.Namespace) -> None:
     from specstand.drafters.trained import read_spec
+    from specstand.files import write_text_atomic
     from specstand.models import load_model
     from specstand.training.data import load_datasets
     from specstand.training.evaluate import as_dicts, evaluate_drafter, write_card
@@ -300,8 +301,8 @@ def cmd_eval_drafter(args: argparse.Namespace) -> None:
     model = load_model(args.model, args.dtype, 2048, log=log)
     figures = evaluate_drafter(model, args.drafter, heldout, ks, model.max_positions, log=log)
     if args.json:
-        args.json.write_text(json.dumps({"drafter": str(args.drafter), "method": spec.method,
-                                         "figures": as_dicts(figures)}, indent=1) + "\n")
+        write_text_atomic(args.json, json.dumps({"drafter": str(args.drafter), "method": spec.method,
+                                                "figures": as_dicts(figures)}, indent=1) + "\n")
     if args.write_card:
         write_card(args.drafter, figures, "specstand " + " ".join(sys.argv[1:]))
     print("| K | tau | tau (vLLM) | acceptance per position | verify ms | draft ms | predicted | measured |")

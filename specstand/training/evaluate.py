@@ -23,6 +23,7 @@ from specstand.drafters import Draft, Drafter, SequenceView, make_drafter
 from specstand.drafters.trained import read_drafter, read_spec
 from specstand.engine import DecodeStats, Engine, EngineConfig, Request
 from specstand.engine.adaptive import sigmoid
+from specstand.files import write_text_atomic
 from specstand.models import LoadedModel
 from specstand.runner import PassInput, TargetRunner
 from specstand.training.data import TrainRow
@@ -219,4 +220,4 @@ def write_card(folder: Path, figures: list[KEvaluation], command: str) -> None:
         f = calibrated[-1]
         lines += ["", f"Confidence head at K={f.k}, predicted / observed acceptance per position: "
                   + ", ".join(f"{p} / {o}" for p, o in f.calibration)]
-    (folder / "README.md").write_text("\n".join(lines) + "\n")
+    write_text_atomic(folder / "README.md", "\n".join(lines) + "\n")

@@ -22,7 +22,7 @@ from specstand.drafters.nn import DrafterSpec, draft_vocabulary
 from specstand.drafters.registry import is_block_method
 from specstand.drafters.target_parts import TargetParts
 from specstand.drafters.trained import build_model, drafter_state, save_drafter, trained_parts
-from specstand.files import write_atomic
+from specstand.files import write_atomic, write_text_atomic
 from specstand.models import LoadedModel
 from specstand.training.config import TrainConfig
 from specstand.training.data import TrainRow, load_datasets, subset_turn
@@ -146,7 +146,7 @@ class _TrainLog:
                         kept.append(line)
                 except (json.JSONDecodeError, KeyError, TypeError):
                     break  # a torn last line
-        path.write_text("".join(line + "\n" for line in kept))
+        write_text_atomic(path, "".join(line + "\n" for line in kept))  # killed here, the log stays whole
 
     def append(self, step: int, loss: float, accepted: list[float]) -> None:
         with self.path.open("a") as f:

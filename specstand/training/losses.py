@@ -23,6 +23,13 @@ def dpace_weights(position_accuracy: torch.Tensor, alpha: float = 0.5) -> torch.
     return weights / weights.mean()
 
 
+def per_position_mean(values: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+    """The mean over blocks of each draft position's values ([anchors, D]); NaN where no block reaches a
+    position: no data there, which D-PACE's running accuracy skips, rather than an accuracy of 0."""
+    count = valid.sum(0)
+    return torch.where(count > 0, values.sum(0) / count.clamp_min(1), float("nan"))
+
+
 def dflash_loss(logits: torch.Tensor, labels: torch.Tensor, valid: torch.Tensor,
                 position_weights: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Cross-entropy of block rows 1..B-1 ([anchors, B-1, V]) against the target's argmax (draft ids),
@@ -33,8 +40,7 @@ def dflash_loss(logits: torch.Tensor, labels: torch.Tensor, valid: torch.Tensor,
     weights = position_weights[None, :] * learnable
     loss = (ce * weights).sum() / weights.sum().clamp_min(1e-9)
     with torch.no_grad():
-        right = torch.exp(-ce) * learnable
-        q = right.sum(0) / valid.sum(0).clamp_min(1)
+        q = per_position_mean(torch.exp(-ce) * learnable, valid)
     return loss, q
 
 
@@ -87,8 +93,7 @@ def dspark_loss(logits: torch.Tensor, target_probs: torch.Tensor, labels: torch.
     weights = position_weights[None, :] * valid
     loss = (per_position * position_weights[None, :]).sum() / weights.sum().clamp_min(1e-9)
     with torch.no_grad():
-        right = torch.exp(-ce) * learnable
-        q_right = right.sum(0) / valid.sum(0).clamp_min(1)
+        q_right = per_position_mean(torch.exp(-ce) * learnable, valid)
     return loss, q_right
 
 

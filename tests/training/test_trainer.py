@@ -16,7 +16,7 @@ from specstand.engine import DecodeStats, Engine, EngineConfig, Request
 from specstand.training.config import TrainConfig
 from specstand.training.data import load_rows, subset_turn
 from specstand.training.features import TargetFeatures, pack_rows
-from specstand.training.losses import dpace_weights, target_to_draft
+from specstand.training.losses import dflash_loss, dpace_weights, dspark_loss, target_to_draft
 from specstand.training.objectives import BLOCK_OBJECTIVES, chain_objective
 from specstand.training.trainer import TRAINER_STATE, train, training_figure
 from specstand.verification import SamplingParams
@@ -106,6 +106,18 @@ def test_dpace_weights_match_a_hand_computed_example():
     expected = torch.tensor([2.124, 1.224, 0.504]) / 1.284
     torch.testing.assert_close(weights, expected)
     assert weights[0] > weights[1] > weights[2]
+
+
+def test_accuracy_per_position_is_unknown_where_no_block_reaches_it():
+    """D-PACE's running accuracy skips NaN; an accuracy of 0 where there was no data would drag it down."""
+    generator = torch.Generator().manual_seed(0)
+    logits = torch.randn(4, 3, 10, generator=generator)
+    labels = torch.randint(0, 10, (4, 3), generator=generator)
+    valid = torch.tensor([[True, True, False]] * 4)
+    target_probs = torch.softmax(torch.randn(4, 3, 10, generator=generator), -1)
+    for q in (dflash_loss(logits, labels, valid, torch.ones(3))[1],
+              dspark_loss(logits, target_probs, labels, valid, torch.ones(3), None)[1]):
+        assert (q[:2] > 0).all() and torch.isnan(q[2])
 
 
 def _train_cli(data: Path, out: Path, model_dir: Path, steps: int) -> subprocess.Popen:

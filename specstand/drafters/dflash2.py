@@ -67,8 +67,10 @@ class CandidateSelector(nn.Module):
                     prev_rows: torch.Tensor) -> torch.Tensor:
         """Scores [..., k] of edges prev -> candidates [..., k] (draft ids, with their unary logits
         [..., k]) at draft rows `hidden` [..., H]; `prev_rows` [...] index the predecessor codebook."""
-        context = self.predecessor_codebook[prev_rows] * self.hidden_projection(hidden)  # [..., r]
-        return unary + (self.successor_codebook[candidates] * context[..., None, :]).sum(-1)
+        # F.embedding, not indexing: its gradient sums rows in a fixed order (an indexed tensor's backward adds
+        # them in whichever order the threads run, so two trainings on the same data drifted apart)
+        context = F.embedding(prev_rows, self.predecessor_codebook) * self.hidden_projection(hidden)  # [..., r]
+        return unary + (F.embedding(candidates, self.successor_codebook) * context[..., None, :]).sum(-1)
 
 
 class DFlash2Model(DFlashModel):

@@ -11,7 +11,7 @@ import torch.nn.functional as F
 
 from specstand.drafters import HiddenRows, SequenceView, make_drafter
 from specstand.drafters.dflash import DFlashDrafter, DFlashModel
-from specstand.drafters.dflash2 import DFlash2Model, GroupedDynamicConv
+from specstand.drafters.dflash2 import CandidateSelector, DFlash2Model, GroupedDynamicConv
 from specstand.drafters.nn import DrafterSpec
 from specstand.drafters.target_parts import TargetParts
 from specstand.drafters.trained import load_drafter_model
@@ -106,6 +106,27 @@ def test_dynamic_convolution_is_causal_within_a_block_and_never_crosses_one():
     deltas = conv.deltas(x)
     kernel = conv.base_kernel[0, :, 0] + deltas[0, 1, 0, :, 0]
     torch.testing.assert_close(out[0, 1, 0], kernel[0] * x[0, 1, 0] + kernel[1] * x[0, 0, 0])
+
+
+def test_the_candidate_rankers_gradient_is_the_same_every_time():
+    """Many rows share a codebook row; their gradients must add in one order whatever the threads do, or two
+    trainings on the same data drift apart (an indexed tensor's backward on 2 threads did)."""
+    selector = CandidateSelector(hidden=16, draft_vocab=64, rank=256)
+    generator = torch.Generator().manual_seed(0)
+    unary, hidden = torch.randn(512, 16, generator=generator), torch.randn(512, 16, generator=generator)
+    candidates = torch.randint(0, 64, (512, 16), generator=generator)
+    prev_rows = torch.randint(0, 65, (512,), generator=generator)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(max(2, threads))
+    try:
+        grads = set()
+        for _ in range(20):
+            selector.zero_grad(set_to_none=True)
+            selector.edge_scores(unary, candidates, hidden, prev_rows).square().sum().backward()
+            grads.add(b"".join(p.grad.numpy().tobytes() for p in selector.parameters()))
+    finally:
+        torch.set_num_threads(threads)
+    assert len(grads) == 1
 
 
 def test_the_confidence_target_is_one_minus_total_variation():

@@ -88,6 +88,9 @@ class ChainModel(nn.Module):
         key_steps = [torch.ones(count, dtype=torch.long)]
         outputs, previous = [], None
         for s, rows in enumerate(needed, start=1):
+            if not len(rows):  # no chain reaches step s in this pack (its rows are short), nor any later step
+                outputs += [torch.zeros(count, self.spec.hidden_size) for _ in range(s, steps + 1)]
+                break
             if s == 1:
                 x, own = context_input[rows], feature[rows]
             else:

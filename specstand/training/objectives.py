@@ -56,12 +56,16 @@ def block_batch(model: DFlashModel, pack: Pack, t2d: torch.Tensor, anchors_wante
     return BlockBatch(hidden, labels, valid, pack.tokens[source], source)
 
 
+def zero_loss(model: torch.nn.Module) -> torch.Tensor:
+    """The loss of a pack that teaches nothing: 0, yet reaching every trained parameter, as every rank's
+    gradients are all-reduced (a loss cut off from them would leave the other ranks waiting)."""
+    return sum(p.sum() for p in model.parameters() if p.requires_grad) * 0.0
+
+
 def no_blocks(model: DFlashModel) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """What a pack without an anchor teaches a block drafter: nothing. A zero loss that still reaches every
-    trained parameter (the ranks all-reduce every gradient), no accuracy per position (NaN: the running one
-    stays as it is) and none accepted."""
-    loss = sum(p.sum() for p in model.parameters() if p.requires_grad) * 0.0
-    return loss, torch.full((model.num_drafts,), float("nan")), torch.zeros(model.num_drafts)
+    """What a pack without an anchor teaches a block drafter: nothing (a zero loss), no accuracy per position
+    (NaN: the running one stays as it is) and none accepted."""
+    return zero_loss(model), torch.full((model.num_drafts,), float("nan")), torch.zeros(model.num_drafts)
 
 
 def position_weights(config: TrainConfig, running_q: torch.Tensor) -> torch.Tensor:
@@ -167,5 +171,5 @@ def chain_objective(model: ChainModel, pack: Pack, t2d: torch.Tensor, config: Tr
         at = anchors + s
         survive = survive & (at < count) & hits[s, at.clamp_max(count - 1)]
         prefix.append(survive.float().mean() if len(anchors) else torch.tensor(0.0))
-    loss = total / norm if norm else torch.zeros((), requires_grad=True)
+    loss = total / norm if norm else zero_loss(model)
     return loss, torch.stack(prefix)

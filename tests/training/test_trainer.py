@@ -66,6 +66,26 @@ def test_a_pack_without_an_anchor_teaches_a_block_drafter_nothing(method, traine
     assert trained_parameters and all(p.grad is not None and not p.grad.any() for p in trained_parameters)
 
 
+@pytest.mark.parametrize("lengths", [(1, 1), (1, 3), (3, 1)])
+@pytest.mark.parametrize("method", ["eagle3", "mtp"])
+def test_chain_drafters_train_on_rows_shorter_than_their_chains(method, lengths, trained, tiny_target, tiny_data):
+    """Short rows leave a chain's later steps (or every step) nothing to score: those steps are skipped, not
+    a crash, and a pack with nothing at all gives a zero loss that still reaches every trained parameter, or
+    the other ranks would wait for this one's gradients."""
+    model = load_drafter_model(trained[method, 1], tiny_target.decoder.weights.embed_tokens,
+                               tiny_target.decoder.weights.lm_head)
+    _, rows = load_rows(tiny_data)
+    features = TargetFeatures(tiny_target.decoder, model.spec.tap_layers, 512)
+    prompt, answer = lengths
+    pack = pack_rows([features(rows[0].prompt_ids[:prompt], rows[0].response_ids[:answer])], model.spec.tap_layers)
+    config = TrainConfig(method, [str(tiny_data)], "unused")
+    loss, _ = chain_objective(model, pack, target_to_draft(model.d2t, model.spec.target_vocab_size), config,
+                              soft=method == "eagle3")
+    loss.backward()
+    assert torch.isfinite(loss) and (loss.item() == 0) == (lengths == (1, 1))
+    assert all(p.grad is not None for p in model.parameters() if p.requires_grad)
+
+
 def _requests(data: Path, target) -> list[Request]:
     _, rows = load_rows(data)
     return [Request(r.prompt_ids, 40, SamplingParams(), target.stop_token_ids) for r in rows if r.split == "train"]

@@ -83,7 +83,8 @@ def turns_per_user(turns: list[Turn], users: int) -> int:
 
 def cyclic_order(turns: list[Turn], users: int, user: int) -> Iterator[Turn]:
     """A user's turns, endlessly: the workload's cyclic order from the user's own offset. Its first
-    turns_per_user are counted; the ones after are the fillers that keep the load up."""
+    turns_per_user are counted; the ones after are the fillers that keep the load up (those whose counted
+    replay has begun: replay)."""
     start = user * turns_per_user(turns, users)
     return (turns[(start + i) % len(turns)] for i in itertools.count())
 
@@ -107,6 +108,7 @@ async def replay(
     if stagger_s < 0:
         raise ValueError("the users' stagger must be >= 0 seconds")
     records: list[TurnRecord] = []
+    begun: set[str] = set()  # turns whose counted replay has begun
     started = time.perf_counter()
     all_done = asyncio.Event()
     users_done = 0
@@ -117,6 +119,7 @@ async def replay(
         await asyncio.sleep(index * stagger_s)
         order = cyclic_order(turns, users, index)
         for turn in itertools.islice(order, turns_per_user(turns, users)):
+            begun.add(turn.turn_id)
             record = await _replay_turn(turn, endpoint, index)
             records.append(record)
             on_turn(record)
@@ -127,7 +130,7 @@ async def replay(
             return
         # fillers, until every user is done with its counted turns; then nothing of them is waited for (on a
         # slow CPU their last calls took seconds after every 4-user run)
-        fillers = asyncio.ensure_future(_fill(order, endpoint, index))
+        fillers = asyncio.ensure_future(_fill(order, begun, endpoint, index))
         await all_done.wait()
         fillers.cancel()
         with contextlib.suppress(asyncio.CancelledError):
@@ -137,10 +140,14 @@ async def replay(
     return records, wall
 
 
-async def _fill(order: Iterator[Turn], endpoint: Endpoint, user: int) -> None:
-    """Uncounted turns of a user's cyclic order, until cancelled."""
+async def _fill(order: Iterator[Turn], begun: set[str], endpoint: Endpoint, user: int) -> None:
+    """Uncounted turns of a user's cyclic order, until cancelled: only those whose counted replay has begun, as
+    a turn served before its user counts it would leave its prompts and answers cached for that user (a
+    staggered user not started yet, or one still on its earlier turns). The user's own counted turns have, so
+    every cycle of `order` replays at least one."""
     for turn in order:
-        await _replay_turn(turn, endpoint, user)
+        if turn.turn_id in begun:
+            await _replay_turn(turn, endpoint, user)
 
 
 async def _replay_turn(turn: Turn, endpoint: Endpoint, user: int) -> TurnRecord:

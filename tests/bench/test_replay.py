@@ -107,6 +107,25 @@ def test_a_fillers_call_in_flight_is_cancelled_when_the_last_counted_turn_ends()
     assert returned < 1.4  # the filler would have run to 1.5 s
 
 
+def test_a_filler_never_serves_a_turn_before_the_user_who_counts_it_begins_it():
+    """User 0 is done with its quick turn at 0.15 s, before user 1 starts its own at 0.3 s: filling with that
+    one then would leave its prompt and answer cached for user 1's count. (So would a filler that, its prompts
+    cached, overtakes a user still on an earlier turn.)"""
+    turns = [Turn("q0", [Call(id="s", prompt="p")]), Turn("q1", [Call(id="s", prompt="p")])]
+    served: list[tuple[float, str]] = []
+    owner = {id(call): turn.turn_id for turn in turns for call in turn.calls}
+
+    class Logged(FakeEndpoint):
+        async def complete(self, call):
+            served.append((time.perf_counter(), owner[id(call)]))
+            return await super().complete(call)
+
+    records, _ = asyncio.run(replay(turns, Logged(), users=2, stagger_s=0.3))
+    counted_start = {r.turn_id: r.start for r in records}
+    assert set(counted_start) == {"q0", "q1"} and len(served) > 2  # user 0 filled while user 1 waited
+    assert all(at >= counted_start[turn_id] for at, turn_id in served)
+
+
 def test_staggered_users_start_apart_and_nothing_replays_before_a_user_starts():
     # stagger 0.22 s: user 1 starts at 0.22 s, user 2 at 0.44 s; before its start a user sends nothing (a turn
     # replayed early would leave its prompts and answers cached for the user that counts it later)

@@ -110,10 +110,16 @@ def shared_heads(turns: list[Turn]) -> list[Call]:
     return list(heads.values())
 
 
-async def warm_up(endpoint: OpenAIEndpoint, heads: list[Call]) -> None:
-    """Leave the workload's shared heads in `endpoint`'s cache (see shared_heads)."""
+async def warm_up(endpoint: OpenAIEndpoint, heads: list[Call]) -> str | None:
+    """Leave the workload's shared heads in `endpoint`'s cache (see shared_heads). Returns why that failed, or
+    None: a target that cannot answer fails its run's calls too, which the report counts, and the bench goes
+    on with the others."""
     for call in heads:
-        await endpoint.complete(call)
+        try:
+            await endpoint.complete(call)
+        except Exception as error:  # noqa: BLE001 - whatever the client or the server raised, said once
+            return f"{type(error).__name__}: {error}"
+    return None
 
 
 def _free_port() -> int:
@@ -305,8 +311,9 @@ async def run_bench(targets: list[Target], turns: list[Turn], config: BenchConfi
                         await endpoint.reset_prefix_cache()
                     elif target in restarted:
                         await _restarted(target, endpoint)
-                    if warm == "system":
-                        await warm_up(endpoint, heads)
+                    if warm == "system" and (failed := await warm_up(endpoint, heads)) is not None:
+                        tqdm.write(f"bench: {name} did not take the shared heads ({failed}): this run of it starts "
+                                   "cold", file=sys.stderr)
                     before = await endpoint.scrape_metrics()
                     records, wall = await replay(turns, endpoint, users, on_turn=lambda _: bar.update(),
                                                  stagger_s=config.stagger_s)

@@ -1,5 +1,6 @@
 """The whole stand on a tiny model: servers started, turns replayed, report written."""
 
+import asyncio
 import json
 import socket
 import subprocess
@@ -9,6 +10,7 @@ import time
 import psutil
 import pytest
 
+from specstand.bench import run
 from specstand.bench.run import Target, server_gone, settling_turn, workload_context
 from specstand.cli import main
 from specstand.workloads import Call, Turn, save_workload
@@ -223,3 +225,33 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def test_a_target_gone_mid_bench_fails_its_calls_and_the_bench_goes_on(tmp_path, monkeypatch, capsys):
+    """A warm run of a target whose server has gone: its calls fail (the report counts them), the others' runs
+    are all measured, and the report is complete."""
+    script, port = tmp_path / "peer.py", _free_port()
+    script.write_text(PEER)
+    peer = subprocess.Popen([sys.executable, str(script), str(port), str(tmp_path / "starts.txt")])
+    try:
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                socket.create_connection(("127.0.0.1", port), timeout=1).close()
+                break
+            except OSError:
+                assert time.monotonic() < deadline, "the peer did not start"
+                time.sleep(0.05)
+        monkeypatch.setattr(run.kernels, "read_bandwidth_gbs", lambda: 1.0)
+        turns = [Turn("t", [Call(id="a", messages=[SYSTEM, {"role": "user", "content": "w3"}], max_tokens=4)])]
+        config = run.BenchConfig("w.jsonl", [1], 2, tmp_path / "report", "peer", warm=("system",))
+        targets = [Target("peer", f"http://127.0.0.1:{port}"), Target("gone", f"http://127.0.0.1:{_free_port()}")]
+        asyncio.run(run.run_bench(targets, turns, config))
+    finally:
+        peer.kill()
+        peer.wait()
+    raw = json.loads((tmp_path / "report" / "report.json").read_text())
+    assert raw["complete"] and sorted((r["target"], r["repeat"]) for r in raw["runs"]) == [
+        ("gone", 0), ("gone", 1), ("peer", 0), ("peer", 1)]
+    assert all(call["error"] for r in raw["runs"] if r["target"] == "gone" for t in r["turns"] for call in t["calls"])
+    assert "gone did not take the shared heads" in capsys.readouterr().err

@@ -114,6 +114,7 @@ def parse_turn(data: object, where: str) -> Turn:
         raise WorkloadError(f"{where}: {_field(error)}: {_reason(error)}") from None
     turn = Turn(data["turn_id"], [Call(**c) for c in data["calls"]], data.get("source", ""))
     _check_graph(turn, where)
+    _check_json_schemas(turn, where)
     return turn
 
 
@@ -126,6 +127,16 @@ def _reason(error: jsonschema.ValidationError) -> str:
     if error.validator == "oneOf":
         return "a call needs exactly one of 'messages' and 'prompt'"
     return error.message
+
+
+def _check_json_schemas(turn: Turn, where: str) -> None:
+    """An answer is judged against its call's schema (broken JSON), so the schema itself must be one."""
+    for i, call in enumerate(turn.calls):
+        if call.json_schema:
+            try:
+                jsonschema.validators.validator_for(call.json_schema).check_schema(call.json_schema)
+            except jsonschema.SchemaError as error:
+                raise WorkloadError(f"{where}: calls[{i}].json_schema: not a JSON schema ({error.message})") from None
 
 
 def _check_graph(turn: Turn, where: str) -> None:

@@ -48,6 +48,8 @@ def test_saving_into_a_folder_that_does_not_exist_yet_creates_it(tmp_path):
                                     {"id": "b", "prompt": "p", "depends_on": ["a"]}]}, "dependency cycle"),
         ({"turn_id": "x", "calls": [{"id": "a", "prompt": "p", "colour": "red"}]}, "Additional properties"),
         ({"turn_id": "t1", "calls": [{"id": "a", "prompt": "p"}]}, "duplicate turn_id 't1'"),
+        ({"turn_id": "x", "calls": [{"id": "a", "prompt": "p", "expect_json": True,
+                                     "json_schema": {"type": "objekt"}}]}, "calls[0].json_schema: not a JSON schema"),
     ],
 )
 def test_validation_names_line_and_field(tmp_path, turn, message):

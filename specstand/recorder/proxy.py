@@ -94,7 +94,7 @@ class Recording:
         self.writer = writer
         self.turn_idle_s = turn_idle_s
         self.turns: dict[str, _TurnLog] = {}
-        self._written = _turn_ids(writer.out)  # turn id -> how many parts of it the file holds
+        self._taken = _turn_ids(writer.out)  # every turn id the file holds
         self._anonymous = 0
         self._run = time.strftime("%Y%m%d-%H%M%S")  # anonymous turns of different runs get different ids
 
@@ -161,15 +161,19 @@ class Recording:
                 self._write(turn)
 
     def _write(self, log: _TurnLog) -> None:
-        part = self._written.get(log.turn_id, 0)
-        self._written[log.turn_id] = part + 1
-        turn_id = log.turn_id if part == 0 else f"{log.turn_id}#{part + 1}"  # calls after it was written
+        # an id the file holds already (calls after the turn was written, a recording before this one, or an
+        # agent's own "x#2" after x's second part) gets the first free suffix: a workload's ids are unique
+        turn_id, part = log.turn_id, 1
+        while turn_id in self._taken:
+            part += 1
+            turn_id = f"{log.turn_id}#{part}"
         turn = Turn(turn_id, [r.call for r in log.calls], "recorded")
         try:
             parse_turn(json.loads(turn.to_json()), f"recorded turn {turn_id}")
         except WorkloadError as error:  # never write what `bench` would refuse to load
             print(f"specstand record: turn {turn_id} not written: {error}", flush=True)
             return
+        self._taken.add(turn_id)
         self.writer.put(turn)
 
 
@@ -304,9 +308,9 @@ class _Proxy:
             self.recording.done(turn)
 
 
-def _turn_ids(path: Path) -> dict[str, int]:
-    """Turn ids already in the file (recording again appends): a turn id seen again gets a suffix."""
-    ids: dict[str, int] = {}
+def _turn_ids(path: Path) -> set[str]:
+    """Turn ids already in the file (recording again appends)."""
+    ids: set[str] = set()
     try:
         lines = path.read_text(encoding="utf-8").splitlines()
     except OSError:
@@ -317,8 +321,7 @@ def _turn_ids(path: Path) -> dict[str, int]:
         except (ValueError, AttributeError):
             continue
         if isinstance(turn_id, str):
-            base = turn_id.split("#")[0]
-            ids[base] = ids.get(base, 0) + 1
+            ids.add(turn_id)
     return ids
 
 

@@ -12,7 +12,7 @@ import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from specstand.recorder.proxy import create_recorder
+from specstand.recorder.proxy import Recording, TurnWriter, create_recorder
 from specstand.workloads import load_workload
 
 
@@ -206,3 +206,28 @@ def test_an_agent_records_through_to_a_keyed_specstand_server(tmp_path):
     (call,) = turn.calls
     assert [[c["name"], json.loads(c["arguments"])] for c in call.recorded["tool_calls"]] == ANSWER["calls"]
     assert call.recorded["answer"] == ANSWER["content"] and "k-38" not in out.read_text()
+
+
+def _record_session(out, turn_ids: list[str]) -> None:
+    """One recording: each turn id's call, written once the turn is finished."""
+    writer = TurnWriter(out)
+    recording = Recording(writer, 30.0)
+    for turn_id in turn_ids:
+        turn = recording.turn_for({"x-turn-id": turn_id})
+        now = time.time()
+        recording.add(turn, {"messages": [{"role": "user", "content": f"{turn_id} {now}"}]}, {}, now, now, "ok")
+        recording.done(turn)
+        recording.flush(everything=True)
+    writer.close()
+
+
+def test_recorded_turn_ids_stay_unique_whatever_the_agent_names_them(tmp_path):
+    """A second recording into the same file, an agent's ids with '#' in them, and a turn split in parts next
+    to an agent's own "x#2": the file always loads (its turn ids are unique)."""
+    out = tmp_path / "w.jsonl"
+    _record_session(out, ["chat#1"])
+    _record_session(out, ["chat#1"])
+    assert [t.turn_id for t in load_workload(out)] == ["chat#1", "chat#1#2"]
+    out.unlink()
+    _record_session(out, ["x", "x", "x#2"])
+    assert [t.turn_id for t in load_workload(out)] == ["x", "x#2", "x#2#2"]

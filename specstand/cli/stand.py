@@ -163,6 +163,8 @@ def cmd_bench(args: argparse.Namespace) -> None:
         raise CliError("--repeats must be >= 1")
     if args.stagger < 0:
         raise CliError("--stagger must be >= 0 seconds")
+    if args.limit_turns is not None and args.limit_turns < 1:
+        raise CliError("--limit-turns must be >= 1")
     turns = load_workload(args.workload)[: args.limit_turns]
     if args.stagger and len(turns) < max(users):
         log(f"--stagger with {len(turns)} turns for {max(users)} users: users that replay the same turn find its "

@@ -72,6 +72,8 @@ def test_bench_argument_errors(tmp_path, capsys):
         (["--users", "0"], "--users needs counts >= 1"),
         (["--users", "a,b"], "comma-separated integers"),
         (["--stagger", "-1"], "--stagger must be >= 0"),
+        (["--limit-turns", "0"], "--limit-turns must be >= 1"),
+        (["--limit-turns", "-1"], "--limit-turns must be >= 1"),
         (["--method", "none"], "--method needs --model"),
         (["--model", "m", "--method", "none@fixed"], "unknown method"),
         ([], "give --endpoint"),

@@ -53,9 +53,13 @@ class Target:
 
 
 def _run_delta(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
-    """Counters as the run's increase; gauges (profiled pass costs, the store's size) as they stand after it."""
-    return {key: after[key] if key.startswith(GAUGES) else after[key] - before.get(key, 0.0)
-            for key in after}
+    """Counters as the run's increase; gauges (profiled pass costs, the store's size) as they stand after it.
+    Nothing (no metrics for the run) where the scrape before it failed or a counter went down (the server
+    restarted during it): the totals since the server's start are not the run's."""
+    counters = [key for key in after if not key.startswith(GAUGES)]
+    if counters and (not before or any(after[key] < before.get(key, 0.0) for key in counters)):
+        return {}
+    return {key: after[key] if key.startswith(GAUGES) else after[key] - before.get(key, 0.0) for key in after}
 
 
 def server_gone(target: Target) -> str | None:

@@ -78,3 +78,9 @@ def test_a_runs_metrics_are_counters_increases_and_gauges_as_they_stand():
                                          "specstand:pass_seconds_estimated[rows=6]": 0.024,
                                          "specstand:pass_seconds_profiled[rows=1]": 0.010,
                                          "specstand:num_speculative_tokens": 5.0}
+    # a counter labelled during the run (absent before) counts from 0
+    assert _run_delta(before, {**after, "vllm:spec_decode_num_accepted_tokens_per_pos[0]": 4.0})[
+        "vllm:spec_decode_num_accepted_tokens_per_pos[0]"] == 4.0
+    # the scrape before the run failed, or the server restarted during it: its totals are not the run's
+    assert _run_delta({}, after) == {}
+    assert _run_delta(before, {**after, "specstand:target_passes_total": 3.0}) == {}

@@ -36,13 +36,33 @@ class KernelsUnavailable(RuntimeError):
     """The compiled kernels cannot run here; the message says why."""
 
 
+class KernelPathError(ValueError):
+    """SPECSTAND_KERNEL_PATH names a path that does not exist or that this CPU cannot run: an error, not a quiet
+    fall back to the Python forward (several times slower) that a forced path was meant to rule out."""
+
+
 def _cache_dir(digest: str) -> Path:
     return specstand_home() / "kernels" / digest
 
 
-@cache
 def load() -> ModuleType:
-    """The compiled extension (built once per source version, then loaded from the cache)."""
+    """The compiled extension (built once per source version, then loaded from the cache). A build that failed
+    is not tried again in this process: it would fail the same way, and a load asks several times."""
+    built = _built()
+    if isinstance(built, KernelsUnavailable):
+        raise KernelsUnavailable(str(built))
+    return built
+
+
+@cache
+def _built() -> ModuleType | KernelsUnavailable:
+    try:
+        return _build()
+    except KernelsUnavailable as error:
+        return error
+
+
+def _build() -> ModuleType:
     compiler = os.environ.get("CXX", "c++")
     if shutil.which(compiler) is None:
         raise KernelsUnavailable("no C++ compiler on PATH (install gcc/g++); using the Python forward")
@@ -108,15 +128,17 @@ def available_paths() -> list[str]:
 
 
 def best_path() -> str:
-    """The path to use: SPECSTAND_KERNEL_PATH if set (and runnable), else the best this CPU has."""
+    """The path to use: SPECSTAND_KERNEL_PATH if set (KernelPathError where it is no path or one this CPU cannot
+    run), else the best this CPU has."""
     forced = os.environ.get(PATH_ENV)
     if forced:
         if forced == "python":
             raise KernelsUnavailable(f"{PATH_ENV}=python: using the Python forward")
         if forced not in PATHS:
-            raise KernelsUnavailable(f"{PATH_ENV}={forced} is not one of python, {', '.join(PATHS)}")
+            raise KernelPathError(f"{PATH_ENV}={forced} is not one of python, {', '.join(PATHS)}")
         if forced not in available_paths():
-            raise KernelsUnavailable(f"{PATH_ENV}={forced}: this CPU cannot run that path")
+            raise KernelPathError(f"{PATH_ENV}={forced}: this CPU cannot run that path (it runs "
+                                  f"{', '.join(available_paths())})")
         return forced
     return available_paths()[-1]
 

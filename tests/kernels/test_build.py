@@ -54,3 +54,25 @@ def test_a_lock_of_a_build_still_running_is_waited_for(tmp_path):
         assert loading.wait(timeout=300) == 0
     finally:
         loading.kill()
+
+
+def test_a_build_that_failed_is_not_tried_again_in_the_process():
+    """A load asks for the kernels several times (the path, the compiled forward, the dtype choice): on a broken
+    toolchain each ask was another compile."""
+    script = (
+        "from specstand import kernels\n"
+        "tries = []\n"
+        "def failing():\n"
+        "    tries.append(1)\n"
+        "    raise kernels.KernelsUnavailable('the kernels did not build (test)')\n"
+        "kernels._build = failing\n"
+        "for _ in range(3):\n"
+        "    try:\n"
+        "        kernels.load()\n"
+        "    except kernels.KernelsUnavailable as error:\n"
+        "        assert 'did not build' in str(error)\n"
+        "print(len(tries), kernels.chosen_path()[0])\n"
+    )
+    ran = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert ran.returncode == 0, ran.stderr
+    assert ran.stdout.split() == ["1", "python"]

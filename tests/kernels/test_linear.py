@@ -82,8 +82,13 @@ def test_peak_rate_is_measured(path):
 
 def test_a_forced_path_this_cpu_lacks_is_refused(monkeypatch):
     monkeypatch.setenv(kernels.PATH_ENV, "nonsense")
-    with pytest.raises(kernels.KernelsUnavailable, match="not one of"):
-        kernels.best_path()
+    with pytest.raises(kernels.KernelPathError, match="not one of"):
+        kernels.chosen_path()  # an error, not the Python forward in its place
+    lacking = [path for path in kernels.PATHS if path not in kernels.available_paths()]
+    if lacking:  # every path this CPU does not run
+        monkeypatch.setenv(kernels.PATH_ENV, lacking[-1])
+        with pytest.raises(kernels.KernelPathError, match="this CPU cannot run that path"):
+            kernels.chosen_path()
     monkeypatch.setenv(kernels.PATH_ENV, "python")
     with pytest.raises(kernels.KernelsUnavailable, match="Python forward"):
         kernels.best_path()

@@ -3,8 +3,10 @@ checkpoint, data file or report under its final name. Every module that writes r
 
 from __future__ import annotations
 
+import fcntl
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 
@@ -12,6 +14,16 @@ def specstand_home() -> Path:
     """The folder for what specstand fetches, builds and measures once per machine: models, data, kernel builds,
     dtype costs ($SPECSTAND_HOME, by default ~/.cache/specstand)."""
     return Path(os.environ.get("SPECSTAND_HOME", Path.home() / ".cache" / "specstand"))
+
+
+@contextmanager
+def locked(path: Path) -> Iterator[None]:
+    """An exclusive flock on `path` (made if missing) while the block runs, so that processes reading, changing
+    and writing one file take turns; the kernel drops it if its holder dies."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "a") as held:
+        fcntl.flock(held, fcntl.LOCK_EX)
+        yield
 
 
 def write_atomic(path: Path, write: Callable[[Path], object]) -> None:

@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 
 from specstand import kernels
-from specstand.files import specstand_home, write_text_atomic
+from specstand.files import locked, specstand_home, write_text_atomic
 from specstand.kernels import q8_0
 
 PASS_ROWS = (1, 8)  # a decode step and a verify of a few drafted tokens
@@ -80,20 +80,29 @@ def _cache_file() -> Path:
 
 
 def measured_costs(n: int, k: int, path: str) -> dict[str, float]:
-    """measure(), once per CPU, path and shape: later starts read the kept figures."""
+    """measure(), once per CPU, path and shape: later starts read the kept figures. Processes take turns (servers
+    started together): the first measures, the others wait and read its figures, and none loses another's."""
     key = f"{kernels.cpu_model()}|{path}|{n}x{k}"
     file = _cache_file()
+    with locked(file.with_name(f".{file.name}.lock")):
+        kept = _kept_costs(file)
+        if key in kept and set(kept[key]) == set(FORMATS):
+            return kept[key]
+        costs = measure(n, k, path)
+        write_text_atomic(file, json.dumps({**kept, key: costs}, indent=1))
+    return costs
+
+
+def _kept_costs(file: Path) -> dict[str, dict[str, float]]:
+    """The file's figures that have the right shape (a file that is not ours, or torn, counts as none)."""
     try:
         kept = json.loads(file.read_text())
     except (OSError, ValueError):
-        kept = {}
-    if key in kept and set(kept[key]) == set(FORMATS):
-        return kept[key]
-    costs = measure(n, k, path)
-    kept[key] = costs
-    file.parent.mkdir(parents=True, exist_ok=True)
-    write_text_atomic(file, json.dumps(kept, indent=1))
-    return costs
+        return {}
+    if not isinstance(kept, dict):
+        return {}
+    return {key: costs for key, costs in kept.items() if isinstance(costs, dict)
+            and all(isinstance(cost, int | float) and not isinstance(cost, bool) for cost in costs.values())}
 
 
 def widest_linear(folder: Path) -> tuple[int, int] | None:

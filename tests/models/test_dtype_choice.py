@@ -3,9 +3,13 @@
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 
 import pytest
 
+from specstand import kernels
 from specstand.models import dtype_choice
 from tests.conftest import KERNEL_PATHS
 
@@ -43,6 +47,35 @@ def test_costs_are_measured_once_per_machine_and_shape(monkeypatch, tmp_path):
     assert calls == [(64, 32, "avx2"), (96, 32, "avx2")]
     kept = json.loads((tmp_path / "dtype_costs.json").read_text())
     assert len(kept) == 2 and not list(tmp_path.glob("*.tmp"))
+
+
+@pytest.mark.parametrize("kept", ["null", "[]", '{"K": ["bf16", "q8_0"]}', '{"K": {"bf16": null, "q8_0": 1}}'])
+def test_a_kept_file_of_another_shape_is_measured_anew(kept, monkeypatch, tmp_path):
+    monkeypatch.setenv("SPECSTAND_HOME", str(tmp_path))
+    key = f"{kernels.cpu_model()}|avx2|64x32"
+    (tmp_path / "dtype_costs.json").write_text(kept.replace("K", key))
+    monkeypatch.setattr(dtype_choice, "measure", lambda n, k, path: {"bf16": 2.0, "q8_0": 1.0})
+    assert dtype_choice.auto_dtype((64, 32), True, "avx2").dtype == "q8_0"
+    assert json.loads((tmp_path / "dtype_costs.json").read_text())[key] == {"bf16": 2.0, "q8_0": 1.0}
+
+
+def test_processes_measuring_at_once_keep_each_others_costs(tmp_path):
+    """Servers started together: each measures its own shape; the file ends with both (before, the last writer's
+    file replaced the first's, and the next start measured again)."""
+    script = (
+        "import sys, time\n"
+        "from specstand.models import dtype_choice\n"
+        "def slow(n, k, path):\n"
+        "    time.sleep(0.5)\n"
+        "    return {'bf16': 1.0, 'q8_0': float(n)}\n"
+        "dtype_choice.measure = slow\n"
+        "dtype_choice.measured_costs(int(sys.argv[1]), 32, 'avx2')\n"
+    )
+    env = {**os.environ, "SPECSTAND_HOME": str(tmp_path)}
+    runs = [subprocess.Popen([sys.executable, "-c", script, str(n)], env=env) for n in (64, 96)]
+    assert [run.wait(timeout=120) for run in runs] == [0, 0]
+    kept = json.loads((tmp_path / "dtype_costs.json").read_text())
+    assert sorted(costs["q8_0"] for costs in kept.values()) == [64.0, 96.0]
 
 
 @pytest.mark.parametrize("path", KERNEL_PATHS)

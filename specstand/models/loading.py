@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from safetensors import SafetensorError
 
 from specstand import kernels
 from specstand.kernels import KernelsUnavailable
@@ -112,6 +113,9 @@ def load_model(model: str, dtype: str = "bf16", max_seq_len: int = 2048, log=pri
         tokenizer = AutoTokenizer.from_pretrained(path)
     except OSError as error:
         raise ModelError(f"cannot load model {model!r}: {str(error).splitlines()[0]}") from None
+    except SafetensorError as error:  # a truncated or damaged weights file
+        raise ModelError(f"cannot load model {model!r}: its weights are damaged ({error}); fetch it again "
+                         f"(remove {path} first where it is a preset's folder)") from None
     kernel_path = kernels.chosen_path()[0]  # chosen once: the target and its drafters run on it
     if dtype == "auto":
         choice = auto_dtype(widest_linear(Path(path)), (Path(path) / gguf_blocks.FILE).is_file(), kernel_path)
@@ -119,7 +123,11 @@ def load_model(model: str, dtype: str = "bf16", max_seq_len: int = 2048, log=pri
         dtype = choice.dtype
     max_positions = min(max_seq_len, getattr(hf_model.config, "max_position_embeddings", max_seq_len))
     weight_format = "q8_0" if dtype == "q8_0" else "bf16"
-    published = gguf_blocks.read(Path(path)) if weight_format == "q8_0" else None
+    try:
+        published = gguf_blocks.read(Path(path)) if weight_format == "q8_0" else None
+    except SafetensorError as error:
+        raise ModelError(f"cannot load model {model!r}: {Path(path) / gguf_blocks.FILE} is damaged ({error}); "
+                         f"fetch it again (remove {path} first where it is a preset's folder)") from None
     if published is not None:
         log(f"q8_0 weights: the GGUF's own blocks ({gguf_blocks.describe(Path(path))})")
     try:

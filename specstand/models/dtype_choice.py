@@ -111,7 +111,9 @@ def widest_linear(folder: Path) -> tuple[int, int] | None:
         config = json.loads((folder / "config.json").read_text())
     except (OSError, ValueError):
         return None
-    config = config.get("text_config", config)
+    if not isinstance(config, dict):
+        return None
+    config = config.get("text_config") or config  # a multimodal model's text part (null where it has none)
     if not {"intermediate_size", "hidden_size"} <= set(config):
         return None
     return 2 * config["intermediate_size"], config["hidden_size"]

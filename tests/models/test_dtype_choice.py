@@ -92,3 +92,15 @@ def test_load_model_says_what_auto_chose(tiny_model_dir):
     assert any(line.startswith("dtype auto: bf16 (the model publishes no Q8_0 blocks to run as they are")
                for line in said)
     assert model.decoder.dtype == dtype_choice.torch.bfloat16
+
+
+@pytest.mark.parametrize(("config", "widest"), [
+    ({"intermediate_size": 96, "hidden_size": 32}, (192, 32)),
+    ({"text_config": {"intermediate_size": 96, "hidden_size": 32}}, (192, 32)),
+    ({"text_config": None, "intermediate_size": 96, "hidden_size": 32}, (192, 32)),
+    ({"hidden_size": 32}, None),
+    ([1], None),
+])
+def test_the_widest_linear_is_read_from_the_config(config, widest, tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    assert dtype_choice.widest_linear(tmp_path) == widest

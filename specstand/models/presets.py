@@ -112,7 +112,10 @@ def fetch(name: str, log=print) -> Path:
 
 def _fetch(name: str, target: Path, log) -> None:
     preset = PRESETS[name]
-    with tempfile.TemporaryDirectory(dir=target.parent, prefix=f".{name}-") as work:
+    prefix = f".{name}.fetching-"
+    for left in target.parent.glob(f"{prefix}*"):  # a killed fetch's download (hundreds of MB): the lock says
+        shutil.rmtree(left, ignore_errors=True)    # no fetch of this preset runs now
+    with tempfile.TemporaryDirectory(dir=target.parent, prefix=prefix) as work:
         work_dir = Path(work)
         gguf_path = work_dir / "model.gguf"
         download_gguf(preset, work_dir, gguf_path, log)

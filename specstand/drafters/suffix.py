@@ -215,8 +215,7 @@ class SuffixTree:
 
     def _most_frequent(self, cursor: Cursor) -> tuple[int, Cursor] | None:
         """The most frequent next token (the first to occur among equals) and its cursor; None at a leaf."""
-        node, below = cursor
-        children = self.children[node]
+        children = self.children[cursor[0]]
         if children:
             token, child = max(children.items(), key=lambda item: self.counts[item[1]])
             return token, (child, 0)
@@ -307,8 +306,8 @@ class SuffixDrafter(Drafter):
             return Draft([])
         context = seq.token_ids[-self.config.max_depth :]
         cfg = self.config
-        local = self._local[seq.request_id].best_draft(context, max_tokens, cfg.min_token_prob, cfg.max_spec_factor,
-                                                       keep)
+        local = self._local[seq.request_id].best_draft(context, max_tokens, cfg.min_token_prob,
+                                                       cfg.max_spec_factor, keep)
         shared = self.global_tree.best_draft(context, max_tokens, cfg.min_token_prob, cfg.max_spec_factor, keep)
         best = max(local, shared, key=lambda candidate: candidate.score)
         return Draft(best.tokens, confidence=best.probs)

@@ -21,7 +21,6 @@ import asyncio
 import contextlib
 import itertools
 import math
-import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -109,7 +108,7 @@ async def replay(
         raise ValueError("the users' stagger must be >= 0 seconds")
     records: list[TurnRecord] = []
     begun: set[str] = set()  # turns whose counted replay has begun
-    started = time.perf_counter()
+    started = _now()
     all_done = asyncio.Event()
     users_done = 0
     wall = 0.0
@@ -125,7 +124,7 @@ async def replay(
             on_turn(record)
         users_done += 1
         if users_done == users:
-            wall = time.perf_counter() - started
+            wall = _now() - started
             all_done.set()
             return
         # fillers, until every user is done with its counted turns; then nothing of them is waited for (on a
@@ -140,6 +139,11 @@ async def replay(
     return records, wall
 
 
+def _now() -> float:
+    """The event loop's clock, so that a test can run the replay in virtual time."""
+    return asyncio.get_running_loop().time()
+
+
 async def _fill(order: Iterator[Turn], begun: set[str], endpoint: Endpoint, user: int) -> None:
     """Uncounted turns of a user's cyclic order, until cancelled: only those whose counted replay has begun, as
     a turn served before its user counts it would leave its prompts and answers cached for that user (a
@@ -152,7 +156,7 @@ async def _fill(order: Iterator[Turn], begun: set[str], endpoint: Endpoint, user
 
 async def _replay_turn(turn: Turn, endpoint: Endpoint, user: int) -> TurnRecord:
     """Replays one turn."""
-    record = TurnRecord(turn.turn_id, user, time.perf_counter(), 0.0)
+    record = TurnRecord(turn.turn_id, user, _now(), 0.0)
     done: dict[str, asyncio.Future] = {c.id: asyncio.get_running_loop().create_future() for c in turn.calls}
 
     async def run(call: Call) -> None:
@@ -160,17 +164,17 @@ async def _replay_turn(turn: Turn, endpoint: Endpoint, user: int) -> TurnRecord:
             await done[dep]
         if call.delay_ms:
             await asyncio.sleep(call.delay_ms / 1000)
-        entry = CallRecord(turn.turn_id, call.id, call.stage, time.perf_counter(), 0.0)
+        entry = CallRecord(turn.turn_id, call.id, call.stage, _now(), 0.0)
         try:
             answer = await endpoint.complete(call)
             entry.text, entry.completion_tokens = answer.text, answer.completion_tokens
             entry.finish_reason, entry.tool_calls = answer.finish_reason, answer.tool_calls
         except Exception as error:  # a failed call is recorded, and its dependants still run
             entry.error = f"{type(error).__name__}: {error}"[:300]
-        entry.end = time.perf_counter()
+        entry.end = _now()
         record.calls.append(entry)
         done[call.id].set_result(None)
 
     await asyncio.gather(*(run(c) for c in turn.calls))
-    record.end = time.perf_counter()
+    record.end = _now()
     return record

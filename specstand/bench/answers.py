@@ -1,7 +1,8 @@
 """How the stand judges an answer: broken JSON, a broken tool call, and what two answers must share to be
 identical. An answer with tool calls is judged by its calls: broken if one's arguments are not a JSON object
 or it names a tool the call did not offer; identical if its text and calls (names, arguments as JSON values;
-ids are random) are the baseline's.
+ids are random) are the baseline's. An answer without calls to a call that required one (tool_choice
+"required" or a named function) is broken too: the agent has nothing to run.
 """
 
 from __future__ import annotations
@@ -44,11 +45,25 @@ def tool_call_is_broken(tool_call: dict, offered: frozenset[str]) -> bool:
         return True
 
 
+def tool_call_required(call: Call) -> bool:
+    """The call offered tools and required the answer to call one: tool_choice "required" or a named function
+    (OpenAI's {"type": "function", "function": {"name": ...}})."""
+    return bool(call.tools) and (call.tool_choice == "required" or isinstance(call.tool_choice, dict))
+
+
+def answer_is_judged(record: CallRecord, call: Call) -> bool:
+    """Whether the answer must be JSON: expected JSON, a required tool call, or tool calls it made."""
+    return call.expect_json or tool_call_required(call) or bool(record.tool_calls)
+
+
 def answer_is_broken(record: CallRecord, call: Call) -> bool:
-    """An answer's tool calls if it has any, else its text as expected JSON."""
+    """An answer's tool calls if it has any; none where one was required is broken; else its text as
+    expected JSON."""
     if record.tool_calls:
         offered = offered_tool_names(call.tools)
         return any(tool_call_is_broken(tool_call, offered) for tool_call in record.tool_calls)
+    if tool_call_required(call):
+        return True
     return json_is_broken(record.text, call.json_schema)
 
 

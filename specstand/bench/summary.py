@@ -9,7 +9,7 @@ from __future__ import annotations
 import statistics
 from dataclasses import asdict, dataclass, field
 
-from specstand.bench.answers import answer_is_broken, answer_key
+from specstand.bench.answers import answer_is_broken, answer_is_judged, answer_key
 from specstand.bench.replay import CallRecord, TurnRecord
 from specstand.server.metrics import PHASES
 from specstand.workloads import Call, Turn
@@ -81,7 +81,7 @@ def run_summary(run: RunResult, calls: dict[tuple[str, str], Call], baseline_ans
     turn_times = [t.duration for t in run.turns if not t.failed]
     records = [c for t in run.turns for c in t.calls]
     ok = [c for c in records if not c.error]
-    expected_json = [c for c in ok if calls[(c.turn_id, c.call_id)].expect_json or c.tool_calls]
+    expected_json = [c for c in ok if answer_is_judged(c, calls[(c.turn_id, c.call_id)])]
     # an answer cut by max_tokens says nothing about the engine: count it apart from broken JSON
     truncated = [c for c in expected_json if c.finish_reason == "length"]
     finished = [c for c in expected_json if c.finish_reason != "length"]

@@ -120,7 +120,7 @@ def test_load_stays_at_u_until_the_last_counted_turn_ends():
     records, wall = _run(replay(turns, endpoint, users=2))
     assert sorted(r.turn_id for r in records) == ["long", "short"]  # fillers are not counted
     assert wall == pytest.approx(0.40, abs=TOLERANCE_S)  # until the last counted turn, not the fillers' end
-    starts = [t for t in endpoint.starts]
+    starts = endpoint.starts
     # counted calls: 5; user 1's filler ("long" again from 0.15 s) starts a, b and c by 0.3 s, and its d
     # (due at 0.45 s) never starts: the last counted turn ended at 0.4 s
     assert len(starts) == 5 + 3

@@ -1,4 +1,5 @@
 import json
+from dataclasses import replace
 
 from specstand.bench.replay import CallRecord, TurnRecord
 from specstand.bench.report import render_markdown, write_report
@@ -145,6 +146,11 @@ def test_tool_calls_are_judged_and_compared():
     assert summarize(runs, workload, "none")["x"][1][0]["identical"] == 0.0
     plain = summarize([_tool_run("none", [None] * 4, text="hello")], workload, "none")["none"][1][0]
     assert plain["broken_json"] is None
+    # where the call required a tool call (tool_choice "required" or a named function), a plain answer is broken
+    for choice in ("required", {"type": "function", "function": {"name": "find"}}):
+        required = [Turn(t.turn_id, [replace(t.calls[0], tool_choice=choice)]) for t in workload]
+        judged = summarize([_tool_run("none", [good, None, None, good], text="hello")], required, "none")
+        assert judged["none"][1][0]["broken_json"] == 0.5
 
 
 def test_the_breakdown_says_how_much_decoding_could_give_at_most():

@@ -14,7 +14,7 @@ import json
 import statistics
 from pathlib import Path
 
-from specstand.bench.summary import PHASES, RunResult, spread_of, summarize, values_of
+from specstand.bench.summary import PHASES, RunResult, mean_acceptance_curve, spread_of, summarize, values_of
 from specstand.files import write_atomic, write_text_atomic
 from specstand.workloads import Turn
 
@@ -152,9 +152,8 @@ def write_plots(summary: dict, targets: list[str], users: list[int], out_dir: Pa
         curves = [s["acceptance_per_position"] for u in users for s in summary.get(t, {}).get(u, [])
                   if s["acceptance_per_position"]]
         if curves:
-            depth = max(len(c) for c in curves)
-            mean = [statistics.mean(c[i] for c in curves if i < len(c)) for i in range(depth)]
-            ax.plot(range(1, depth + 1), mean, marker="o", label=t)
+            mean = mean_acceptance_curve(curves)
+            ax.plot(range(1, len(mean) + 1), mean, marker="o", label=t)
     ax.set_xlabel("draft position")
     ax.set_ylabel("accepted / drafts")
     ax.set_title("Acceptance per position")

@@ -116,8 +116,9 @@ def drafting(m: dict[str, float]) -> dict:
     passes = m.get("specstand:target_passes_total", 0.0)
     drafts = m.get("vllm:spec_decode_num_drafts_total", 0.0)
     accepted = m.get("vllm:spec_decode_num_accepted_tokens_total", 0.0)
-    per_position = sorted((int(k.split("[")[1][:-1]), v) for k, v in m.items()
-                          if k.startswith("vllm:spec_decode_num_accepted_tokens_per_pos_total["))
+    accepted_at = {int(k.split("[")[1][:-1]): v for k, v in m.items()
+                   if k.startswith("vllm:spec_decode_num_accepted_tokens_per_pos_total[")}
+    per_position = [accepted_at.get(i, 0.0) for i in range(max(accepted_at, default=-1) + 1)]
     return {
         "tau": m.get("specstand:emitted_tokens_total", 0.0) / passes if passes else None,
         "tau_per_draft_vllm": 1 + accepted / drafts if drafts else None,
@@ -125,8 +126,16 @@ def drafting(m: dict[str, float]) -> dict:
         "drafter_runs": m.get("specstand:drafter_runs_total", 0.0) / passes if passes else None,
         "probes": m.get("specstand:probes_total", 0.0) / passes if passes else None,
         "predicted_speedup": _predicted_speedup(m),
-        "acceptance_per_position": [v / drafts for _, v in per_position] if drafts else [],
+        "acceptance_per_position": [v / drafts for v in per_position] if drafts else [],
     }
+
+
+def mean_acceptance_curve(curves: list[list[float]]) -> list[float]:
+    """Runs' acceptance per position, averaged: a position a run's list does not reach counts as 0 there (no
+    draft of that run was accepted that deep; a server exports only the positions it has counted), not as
+    missing, which would average the deep positions over the runs that did best."""
+    depth = max((len(c) for c in curves), default=0)
+    return [statistics.mean(c[i] if i < len(c) else 0.0 for c in curves) for i in range(depth)]
 
 
 def _predicted_speedup(m: dict[str, float]) -> float | None:

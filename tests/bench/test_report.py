@@ -1,9 +1,11 @@
 import json
 from dataclasses import replace
 
+import pytest
+
 from specstand.bench.replay import CallRecord, TurnRecord
 from specstand.bench.report import render_markdown, write_report
-from specstand.bench.summary import RunResult, percentile, summarize
+from specstand.bench.summary import RunResult, drafting, mean_acceptance_curve, percentile, summarize
 from specstand.workloads import Call, Turn
 
 
@@ -11,6 +13,16 @@ def test_percentile():
     assert percentile([3.0, 1.0, 2.0], 0.5) == 2.0
     assert percentile([1.0, 2.0], 0.9) == 1.9
     assert percentile([], 0.5) is None
+
+
+def test_acceptance_per_position_counts_a_position_a_run_never_reached_as_zero():
+    # a server exports only the positions it counted: this run's drafts never got an acceptance at position 1
+    m = {"vllm:spec_decode_num_drafts_total": 4, "vllm:spec_decode_num_accepted_tokens_per_pos_total[0]": 2,
+         "vllm:spec_decode_num_accepted_tokens_per_pos_total[2]": 1}
+    assert drafting(m)["acceptance_per_position"] == [0.5, 0.0, 0.25]
+    # one run reached position 3 with 0.4; the other's list ends at 2: its 0 there counts in the mean
+    assert mean_acceptance_curve([[0.8, 0.6, 0.4], [0.6, 0.2]]) == pytest.approx([0.7, 0.4, 0.2])
+    assert mean_acceptance_curve([]) == []
 
 
 def _run(target, users, repeat, turn_time, texts, metrics=None):

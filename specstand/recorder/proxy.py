@@ -4,7 +4,9 @@ Point the agent's OpenAI base URL at the proxy. Calls are grouped into turns by 
 (or `X-Session-Id`); `X-Call-Id` names a call, `X-Parent-Call-Ids` (comma-separated) lists the calls it
 depends on, `X-Stage` labels it. Without parent headers a call depends on the calls of its turn that had
 finished before it started, which reproduces what ran in parallel. `delay_ms` is the pause between the
-end of its dependencies and its start. A retried identical request within a turn is recorded once.
+end of its dependencies and its start; for a call without any, between the turn's first call and its start
+(as the replay reads it), so a call sent while the others were still running starts as late again. A
+retried identical request within a turn is recorded once.
 
 The proxy is transparent: the client's end-to-end headers (Authorization included, never recorded) go
 upstream, and the upstream's status and error body come back as they were, streaming or not (502 when
@@ -63,6 +65,7 @@ class _TurnLog:
     seen: set[str] = field(default_factory=set)
     in_flight: int = 0
     last_activity: float = field(default_factory=time.monotonic)
+    began: float = field(default_factory=time.time)  # when its first call came
 
 
 class TurnWriter:
@@ -128,7 +131,7 @@ class Recording:
         else:
             depends_on = [r.call.id for r in turn.calls if r.end <= start]
         ends = [r.end for r in turn.calls if r.call.id in depends_on]
-        delay_ms = max(0.0, (start - max(ends)) * 1000) if ends else 0.0
+        delay_ms = max(0.0, (start - max(ends, default=turn.began)) * 1000)
         fmt = body.get("response_format") or {}
         schema = (fmt.get("json_schema") or {}).get("schema") if fmt.get("type") == "json_schema" else None
         call = Call(
@@ -273,7 +276,7 @@ class _Proxy:
 
     def _record_answer(self, reply: httpx.Response, body: dict, chat: bool, turn: _TurnLog, incoming,
                        start: float) -> None:
-        choice = reply.json()["choices"][0]
+        choice = _first_choice(reply.json()["choices"])
         answer = choice["message"].get("content") if chat else choice["text"]
         calls = [_call_of(c) for c in (choice["message"].get("tool_calls") or [])] if chat else []
         self.recording.add(turn, body, incoming, start, time.time(), answer or "", calls)
@@ -325,6 +328,14 @@ def _turn_ids(path: Path) -> set[str]:
     return ids
 
 
+def _first_choice(choices: list[dict]) -> dict:
+    """The answer recorded is choice 0's (with n > 1 a stream's chunks interleave the choices)."""
+    for choice in choices:
+        if choice.get("index", 0) == 0:
+            return choice
+    raise KeyError("no choice 0")
+
+
 def _call_of(tool_call: dict) -> dict:
     function = tool_call.get("function") or {}
     return {"name": function.get("name"), "arguments": function.get("arguments")}
@@ -341,10 +352,10 @@ class _StreamedAnswer:
 
     def add(self, data: str) -> None:
         try:
-            choice = (json.loads(data).get("choices") or [{}])[0]
+            choice = _first_choice(json.loads(data).get("choices") or [])
             delta = choice.get("delta") or {}
-        except (ValueError, AttributeError):
-            return  # relayed as it came; a chunk we cannot read is not recorded
+        except (ValueError, AttributeError, KeyError):
+            return  # relayed as it came; a chunk we cannot read, or of another choice (n > 1), is not recorded
         if not self.chat:
             self.parts.append(choice.get("text") or "")
             return

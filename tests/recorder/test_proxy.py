@@ -5,6 +5,7 @@ import json
 import socket
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
@@ -41,7 +42,7 @@ def _upstream():
 
     @app.post("/v1/chat/completions")
     async def chat(body: dict):
-        await asyncio.sleep(0.1)
+        await asyncio.sleep(1.0 if body["messages"][-1]["content"] == "slow" else 0.1)
         last = body["messages"][-1]["content"]
         return {"choices": [{"index": 0, "message": {"role": "assistant", "content": f"echo {last}"},
                              "finish_reason": "stop"}], "usage": {"completion_tokens": 2}}
@@ -81,6 +82,30 @@ def test_recorded_calls_keep_their_dependencies_and_pauses(tmp_path):
     assert calls["plan"].recorded["answer"] == "echo plan"
 
 
+def test_a_call_sent_while_the_others_run_keeps_its_offset_from_the_turns_start(tmp_path):
+    upstream, upstream_url = _serve(_upstream())
+    out = tmp_path / "recorded.jsonl"
+    recorder, url = _serve(create_recorder(upstream_url, out))
+
+    def call(content):
+        body = {"model": "m", "messages": [{"role": "user", "content": content}]}
+        headers = {"X-Turn-Id": "t", "X-Call-Id": content}
+        httpx.post(f"{url}/v1/chat/completions", json=body, timeout=30, headers=headers)
+
+    try:
+        with ThreadPoolExecutor(2) as pool:
+            slow = pool.submit(call, "slow")  # 1 s upstream
+            time.sleep(0.3)
+            pool.submit(call, "later").result()  # sent while "slow" runs: it depends on nothing
+            slow.result()
+    finally:
+        _stop(recorder, upstream)
+    calls = {c.id: c for c in load_workload(out)[0].calls}
+    assert calls["later"].depends_on == [] and calls["slow"].depends_on == []
+    assert 250 <= calls["later"].delay_ms <= 900  # replayed 0.3 s into the turn, not with "slow"
+    assert calls["slow"].delay_ms < 100
+
+
 TOKEN = "Bearer s3cret"
 
 
@@ -104,9 +129,9 @@ def _strict_upstream():
                 yield "data: [DONE]\n\n"
             return StreamingResponse(call_chunks(), media_type="text/event-stream")
         if body.get("stream"):
-            async def chunks():
-                for piece in ("{\"a\": ", "1}"):
-                    yield "data: " + json.dumps({"choices": [{"index": 0, "delta": {"content": piece}}]}) + "\n\n"
+            async def chunks():  # with a second choice's chunks between (n = 2): they are not choice 0's answer
+                for index, piece in ((0, "{\"a\": "), (1, "other"), (0, "1}"), (1, " answer")):
+                    yield "data: " + json.dumps({"choices": [{"index": index, "delta": {"content": piece}}]}) + "\n\n"
                 yield "data: [DONE]\n\n"
             return StreamingResponse(chunks(), media_type="text/event-stream")
         return {"choices": [{"index": 0, "finish_reason": "tool_calls", "message": {

@@ -42,5 +42,15 @@ def write_atomic(path: Path, write: Callable[[Path], object]) -> None:
         raise
 
 
+def sync_tree(folder: Path) -> None:
+    """Flushes every file under `folder` to disk, for a folder about to appear by a rename: after a power cut
+    the rename can survive while file data still in the page cache does not, leaving empty files under the
+    final name."""
+    for path in sorted(folder.rglob("*")):
+        if path.is_file():
+            with path.open("rb") as file:
+                os.fsync(file.fileno())
+
+
 def write_text_atomic(path: Path, text: str) -> None:
     write_atomic(path, lambda tmp: tmp.write_text(text))

@@ -1,7 +1,9 @@
+import os
 from pathlib import Path
 
 import pytest
 
+from specstand import files
 from specstand.files import write_atomic, write_text_atomic
 
 
@@ -30,3 +32,13 @@ def test_the_writer_gets_a_name_with_the_final_suffix(tmp_path):
     seen = []
     write_atomic(tmp_path / "plot.png", lambda tmp: (seen.append(tmp.suffix), tmp.write_bytes(b"png")))
     assert seen == [".png"] and (tmp_path / "plot.png").read_bytes() == b"png"
+
+
+def test_sync_tree_flushes_every_file_under_the_folder(tmp_path, monkeypatch):
+    (tmp_path / "sub").mkdir()
+    for name in ("a.bin", "sub/b.json"):
+        (tmp_path / name).write_text(name)
+    synced = []
+    monkeypatch.setattr(files.os, "fsync", lambda fd: synced.append(Path(os.readlink(f"/proc/self/fd/{fd}")).name))
+    files.sync_tree(tmp_path)
+    assert sorted(synced) == ["a.bin", "b.json"]

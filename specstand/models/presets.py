@@ -18,7 +18,7 @@ import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from specstand.files import locked, specstand_home
+from specstand.files import locked, specstand_home, sync_tree
 from specstand.models import gguf_blocks
 
 
@@ -129,6 +129,7 @@ def _fetch(name: str, target: Path, log) -> None:
                 f"{counts['requantized']} requantized")
         if target.exists():  # a stale, incomplete folder from an older layout
             shutil.rmtree(target)
+        sync_tree(staging)
         staging.rename(target)  # atomic on one file system: the folder appears complete or not at all
     log(f"{name} ready in {target}")
 

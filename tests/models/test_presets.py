@@ -63,8 +63,10 @@ def test_chunks_are_joined_in_order_and_checked(home, monkeypatch):
         (out_dir / "model.safetensors").write_bytes(b"weights")
 
     monkeypatch.setattr(presets, "_convert", convert)
+    synced = []  # the converted folder's files reach the disk before the rename publishes it
+    monkeypatch.setattr(presets, "sync_tree", lambda folder: synced.extend(p.name for p in folder.iterdir()))
     folder = presets.fetch("fake", log=lambda _: None)
-    assert seen["bytes"] == b"GGUF-first-second"
+    assert seen["bytes"] == b"GGUF-first-second" and synced == ["model.safetensors"]
     assert presets.is_fetched("fake") and folder == home / "models" / "fake"
     assert _left(home) == ["fake"]  # no temporary folders left
 

@@ -9,9 +9,11 @@ order and every random draw are functions of (seed, step), not of the run's hist
 
 from __future__ import annotations
 
+import hashlib
 import json
 import random
 import time
+from array import array
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -88,19 +90,31 @@ def learning_rate(config: TrainConfig, step: int) -> float:
 RESUMABLE_CHANGES = {"steps", "save_every", "out"}
 
 
+def rows_digest(rows: list[TrainRow]) -> str:
+    """What the training rows hold (which rows, and their tokens), so that a resume can tell data folders
+    written again under the same names from the ones the run began on."""
+    digest = hashlib.sha256()
+    for row in rows:
+        digest.update(json.dumps(row.key).encode())
+        digest.update(array("q", row.prompt_ids).tobytes() + b"|" + array("q", row.response_ids).tobytes())
+    return digest.hexdigest()
+
+
 def _save_state(out: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer, step: int,
-                running_q: torch.Tensor, config: TrainConfig, elapsed: float) -> None:
+                running_q: torch.Tensor, config: TrainConfig, elapsed: float, data_digest: str) -> None:
     """The drafter's files first, the trainer state last, each renamed into place: a crash at any point
     leaves a state that names weights at least as new as itself, never a state ahead of its weights."""
     save_drafter(model, out)
     state = {"step": step, "model": drafter_state(model), "optimizer": optimizer.state_dict(),
-             "running_q": running_q, "config": asdict(config), "spec": model.spec.to_json(), "elapsed_s": elapsed}
+             "running_q": running_q, "config": asdict(config), "spec": model.spec.to_json(), "elapsed_s": elapsed,
+             "data_digest": data_digest}
     write_atomic(out / TRAINER_STATE, lambda tmp: torch.save(state, tmp))
 
 
-def _load_state(path: Path, config: TrainConfig) -> dict | None:
+def _load_state(path: Path, config: TrainConfig, data_digest: str) -> dict | None:
     """The saved trainer state (tensors and plain values only: nothing in it can run code), checked to be
-    a run of this very configuration."""
+    a run of this very configuration on the same rows (states saved before the rows' digest was kept are
+    checked by configuration only)."""
     if not path.is_file():
         return None
     try:
@@ -115,7 +129,21 @@ def _load_state(path: Path, config: TrainConfig) -> dict | None:
         raise ValueError(f"{path.parent} holds a run with {first}={saved.get(first)!r}, not {wanted.get(first)!r}"
                          f"{f' (and {len(changed) - 1} more changed)' if len(changed) > 1 else ''}; resume with the "
                          "same settings or use another --out")
+    if state.get("data_digest", data_digest) != data_digest:
+        raise ValueError(f"{path.parent} holds a run on other rows than {', '.join(config.data)} holds now (written "
+                         "again since?); resume on the same data or use another --out")
     return state
+
+
+def _load_weights(model: torch.nn.Module, weights: dict, path: Path) -> None:
+    """The saved drafter weights into `model`: every one of its own tensors (the borrowed target parts are not
+    saved), nothing else. A state from a version whose drafter had other layers is refused, not resumed with
+    some layers left as initialized."""
+    missing, unexpected = model.load_state_dict(weights, strict=False)
+    missing = [k for k in missing if not k.startswith("target.")]
+    if missing or unexpected:
+        raise ValueError(f"cannot resume from {path}: its drafter weights do not match this drafter (missing "
+                         f"{missing[:3]}, unexpected {unexpected[:3]}); use another --out")
 
 
 class _Objective(torch.nn.Module):
@@ -197,16 +225,17 @@ def train(
     out = Path(config.out)
     out.mkdir(parents=True, exist_ok=True)
     meta, rows = _training_rows(config)
-    state = _load_state(out / TRAINER_STATE, config)
+    data_digest = rows_digest(rows)
+    state = _load_state(out / TRAINER_STATE, config, data_digest)
     spec, draft_ids = _spec_and_vocabulary(config, target, rows, state)
     weights = target.decoder.weights
     model = build_model(spec, TargetParts(weights.embed_tokens, weights.lm_head), draft_ids)
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=config.lr,
                                   betas=(0.9, 0.95), weight_decay=config.weight_decay)
     run = _Run(config, out, meta, rows, spec, model, optimizer, world,
-               running_q=torch.zeros(max(getattr(model, "num_drafts", 1), 1)))
+               running_q=torch.zeros(max(getattr(model, "num_drafts", 1), 1)), data_digest=data_digest)
     if state is not None:
-        model.load_state_dict(state["model"], strict=False)
+        _load_weights(model, state["model"], out / TRAINER_STATE)
         optimizer.load_state_dict(state["optimizer"])
         run.start, run.running_q, run.elapsed = state["step"], state["running_q"], state["elapsed_s"]
         log(f"resuming {spec.method} from step {run.start} of {config.steps} ({out / TRAINER_STATE})")
@@ -274,6 +303,7 @@ class _Run:
     optimizer: torch.optim.Optimizer
     world: World
     running_q: torch.Tensor
+    data_digest: str  # rows_digest(rows)
     start: int = 0
     elapsed: float = 0.0
 
@@ -300,7 +330,7 @@ class _Run:
                              "seconds": round(time.perf_counter() - began, 1),
                              "last_accepted_per_position": [round(a, 3) for a in accepted.tolist()]}
         _save_state(self.out, self.model, self.optimizer, steps, self.running_q, self.config,
-                    time.perf_counter() - began)
+                    time.perf_counter() - began, self.data_digest)
 
     def _step(self, objective: torch.nn.Module, step: int, row_ids: list[int],
               features: TargetFeatures) -> tuple[torch.Tensor, torch.Tensor]:

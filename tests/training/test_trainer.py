@@ -193,6 +193,16 @@ def test_resume_refuses_a_changed_config_and_unsafe_state(tiny_target, tiny_data
         train(config(steps=3, lr=2e-3), tiny_target, log=lambda _: None)
     train(config(steps=3, save_every=1), tiny_target, log=lambda _: None)  # longer and saved more often: fine
     assert torch.load(tmp_path / TRAINER_STATE, weights_only=True)["step"] == 3
+    state = torch.load(tmp_path / TRAINER_STATE, weights_only=True)
+    renamed = dict(state["model"])
+    name = next(k for k in renamed if k != "d2t")
+    renamed["old." + name] = renamed.pop(name)  # as a version that named a layer otherwise would have saved it
+    torch.save({**state, "model": renamed}, tmp_path / TRAINER_STATE)
+    with pytest.raises(ValueError, match="do not match this drafter"):
+        train(config(steps=4), tiny_target, log=lambda _: None)
+    torch.save({**state, "data_digest": "0" * 64}, tmp_path / TRAINER_STATE)  # the data written again since
+    with pytest.raises(ValueError, match="other rows than"):
+        train(config(steps=4), tiny_target, log=lambda _: None)
     torch.save({"step": 1, "config": {}, "payload": _Exploit()}, tmp_path / TRAINER_STATE)
     with pytest.raises(ValueError, match="cannot resume from"):
         train(config(steps=4), tiny_target, log=lambda _: None)

@@ -79,7 +79,7 @@ def tools_in_text(text: str) -> list[dict] | None:
     for start in _occurrences(text, "[{"):
         try:
             value, _ = decoder.raw_decode(text, start)
-        except json.JSONDecodeError:
+        except (ValueError, RecursionError):  # not JSON, nested past Python's stack, or a number too long to read
             continue
         if isinstance(value, list) and functions_of(value):
             return value
@@ -89,7 +89,7 @@ def tools_in_text(text: str) -> list[dict] | None:
         for line in text[begin + len("<tools>") : end].splitlines():
             try:
                 tools.append(json.loads(line))
-            except json.JSONDecodeError:
+            except (ValueError, RecursionError):
                 continue
         return tools or None
     return None
@@ -273,7 +273,7 @@ def _opening_fit(schema: dict, char: str) -> int:
     """How a value of `schema` starting with `char` fits (any start fits where its type is not one of JSON's)."""
     kind = schema.get("type")
     kinds = [kind] if isinstance(kind, str) else kind if isinstance(kind, list) else []
-    openers = [_TYPE_OPENERS.get(k) for k in kinds]
+    openers = [_TYPE_OPENERS.get(k) if isinstance(k, str) else None for k in kinds]
     if not kinds or None in openers or any(char in opener for opener in openers):
         return FITS
     return QUOTED if char == '"' else BREAKS
@@ -392,7 +392,9 @@ class _Object:
         return next((key for key in order[last + 1 :] if key not in self.keys and key.startswith(prefix)), None)
 
     def next_required(self) -> str | None:
-        required = self.schema.get("required") or []
+        required = self.schema.get("required")
+        if not isinstance(required, list):  # draft 3 put `"required": true` on the property itself
+            return None
         return next((key for key in self.unwritten() if key in required), None)
 
     def value_schema(self) -> dict:

@@ -373,9 +373,9 @@ class AnswerReader:
         if frame.phase == "value":
             return self._then(self._rest("comma", frame), _opener(frame.items()))
         if frame.phase == "open":
-            wanted = frame.schema.get("minItems", 0)
+            wanted = _item_count(frame.schema, "minItems")
             return self._then(self._rest("open", frame), _opener(frame.items())) if wanted else ""
-        most = frame.schema.get("maxItems")
+        most = _item_count(frame.schema, "maxItems")
         return self._then(self._rest("close", frame), "]") if most is not None and frame.count >= most else ""
 
     def followers(self) -> tuple[str, ...] | None:
@@ -438,3 +438,9 @@ def forced_text(reader: AnswerReader, max_chars: int) -> Forced:
         probe.feed(step)
         text += step
     return Forced(text, probe.followers())
+
+
+def _item_count(schema: dict, bound: str) -> int | None:
+    """An array's minItems or maxItems where it is a count (tools' schemas come from clients: "2" is none)."""
+    value = schema.get(bound)
+    return value if isinstance(value, int) and not isinstance(value, bool) else None

@@ -231,5 +231,6 @@ def draw_drafts(logits: torch.Tensor, temperature: float, generator: torch.Gener
     [n, vocab_size] scattered onto the target's vocabulary (what the rejection rule needs)."""
     q = torch.softmax(logits.float() / temperature, -1)
     drawn = torch.multinomial(q, 1, generator=generator).squeeze(-1)
-    full = torch.zeros(len(q), vocab_size).index_copy_(1, draft_to_target, q)
+    # added, not copied: columns that map to one target id (a row's candidates may repeat one) are one draw
+    full = torch.zeros(len(q), vocab_size).index_add_(1, draft_to_target, q)
     return drawn, full

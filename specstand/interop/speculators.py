@@ -95,6 +95,8 @@ def check_spec(spec: DrafterSpec, source: Path, draft_ids: torch.Tensor) -> None
             int(draft_ids.min()) >= 0 and int(draft_ids.max()) < spec.target_vocab_size)):
         raise DrafterLoadError(f"{source}: d2t does not map {spec.draft_vocab_size} draft ids into the target's "
                                f"{spec.target_vocab_size}")
+    if len(torch.unique(draft_ids)) != len(draft_ids):
+        raise DrafterLoadError(f"{source}: d2t maps two draft ids to one target id")
 
 
 def _write_atomic(folder: Path, config: dict, tensors: dict[str, torch.Tensor]) -> None:

@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from specstand.drafters import HiddenRows, SequenceView, make_drafter
 from specstand.drafters.dflash import DFlashDrafter, DFlashModel
 from specstand.drafters.dflash2 import CandidateSelector, DFlash2Model, GroupedDynamicConv
-from specstand.drafters.nn import DrafterSpec
+from specstand.drafters.nn import DrafterSpec, draw_drafts
 from specstand.drafters.target_parts import TargetParts
 from specstand.drafters.trained import load_drafter_model
 from specstand.engine import Engine, EngineConfig, Request
@@ -26,6 +26,13 @@ from tests.engine.test_sampling import PARAMS, SAMPLES, assert_follows_the_joint
 def _model(trained, target, method: str):
     weights = target.decoder.weights
     return load_drafter_model(trained[method, LONG_RUN], weights.embed_tokens, weights.lm_head)
+
+
+def test_q_on_the_target_vocabulary_is_the_law_of_the_drawn_token():
+    """Columns that map to one target id are one token: q there is their sum (a copy kept only the last)."""
+    logits = torch.log(torch.tensor([[0.5, 0.25, 0.25]]))
+    _, q = draw_drafts(logits, 1.0, torch.Generator().manual_seed(0), torch.tensor([2, 2, 0]), 4)
+    assert torch.allclose(q, torch.tensor([[0.25, 0.0, 0.75, 0.0]]))
 
 
 @pytest.mark.parametrize("method", ["dspark", "dflash2"])

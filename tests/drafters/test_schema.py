@@ -130,6 +130,44 @@ def test_tools_written_in_a_prompt():
     assert answer_structure(None, None, "no tools here [1, 2]") is None
 
 
+def _tool(parameters: dict) -> list[dict]:
+    return [{"type": "function", "function": {"name": "f", "parameters": parameters}}]
+
+
+@pytest.mark.parametrize(("parameters", "answer"), [
+    # draft 3's `"required": true` on a property, and other values that are no list of names
+    ({"type": "object", "properties": {"o": {"type": "object", "required": True, "properties": {"a": {}}}}},
+     '{"name": "f", "arguments": {"o": {"a": "x"}}}'),
+    ({"type": "object", "required": 5, "properties": {"a": {"type": "string"}}},
+     '{"name": "f", "arguments": {"a": "x"}}'),
+    ({"type": "object", "properties": {"xs": {"type": "array", "maxItems": "2", "minItems": "1", "items": {}}}},
+     '{"name": "f", "arguments": {"xs": ["a", "b"]}}'),
+    ({"type": "object", "properties": {"v": {"type": [{"type": "string"}]}}}, '{"name": "f", "arguments": {"v": "x"}}'),
+])
+def test_odd_tool_schemas_from_a_client_draft_without_raising(parameters, answer):
+    """The server passes a client's tools on as they come: a schema drafter must draft what it can of them,
+    never fail the request (each of these raised TypeError)."""
+    codec = CharCodec()
+    drafter = SchemaDrafter(codec)
+    seq = SequenceView(1, codec.encode("call it"), 7, 0.0, _tool(parameters))
+    drafter.begin(seq)
+    for char in answer:
+        drafter.propose(seq, 5)
+        seq.token_ids.append(ord(char))
+        drafter.extend(seq, [ord(char)])
+    assert forced_after("{", _tool(parameters)) == '"name": "f", "arguments": {'
+
+
+@pytest.mark.parametrize("prompt", [
+    '[{"a": ' + "[" * 5000 + "]" * 5000 + "}]",  # nested past Python's recursion limit
+    "<tools>\n" + "[" * 5000 + "]" * 5000 + "\n</tools>",
+    'data: [{"id": ' + "7" * 5000 + "}]",  # an integer past Python's 4300-digit limit for int()
+    "<tools>\n" + "7" * 5000 + "\n</tools>",
+])
+def test_prompt_json_python_cannot_read_is_no_tools(prompt):
+    assert tools_in_text(prompt) is None
+
+
 @pytest.mark.parametrize(("tools", "answers"), [(CFB_TOOLS, CFB_ANSWERS), (NESTFUL_TOOLS, NESTFUL_ANSWERS)])
 def test_forced_text_is_what_real_answers_write(tools, answers):
     """Along every prefix of recorded answers, forced text parts from what the answer writes only where it

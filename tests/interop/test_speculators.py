@@ -198,6 +198,19 @@ def test_import_range_checks_the_config(field, value, named, drafters, tiny_targ
     assert not (tmp_path / "back").exists()
 
 
+def test_import_refuses_a_d2t_that_maps_two_draft_ids_to_one_target_id(drafters, tiny_target, tmp_path):
+    """Sampled drafts scatter q by d2t: a repeated target id would be one token drawn under two columns."""
+    exported = tmp_path / "speculators"
+    export_speculators(drafters["eagle3"], tiny_target, exported)
+    tensors = load_file(exported / "model.safetensors")
+    target_ids = tensors["d2t"] + torch.arange(len(tensors["d2t"]))
+    target_ids[1] = target_ids[0]
+    tensors["d2t"] = target_ids - torch.arange(len(target_ids))  # stored as offsets
+    save_file(tensors, str(exported / "model.safetensors"))
+    with pytest.raises(DrafterLoadError, match="two draft ids to one target id"):
+        import_speculators(exported, tmp_path / "back")
+
+
 @pytest.mark.parametrize(("change", "named"), [
     (lambda config: [1], "holds a list, not a JSON object"),
     (lambda config: {**config, "specstand_spec": {**config["specstand_spec"], "colour": 1}}, "colour"),

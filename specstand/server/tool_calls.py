@@ -29,6 +29,21 @@ FENCE = "```"
 AFTER_CALL = re.compile(r"[\s,;]*")  # what separates a call from the next one: not content
 
 
+def _not_json(constant: str) -> float:
+    raise ValueError(f"{constant} is not JSON")
+
+
+def _finite(number: str) -> float:
+    value = float(number)
+    if value in (float("inf"), float("-inf")):
+        raise ValueError(f"{number} is past a double's range")
+    return value
+
+
+# Python's json reads NaN, Infinity and 1e999, and would write them back as arguments no strict JSON parser reads
+STRICT_JSON = json.JSONDecoder(parse_constant=_not_json, parse_float=_finite)
+
+
 @dataclass(frozen=True)
 class ToolCall:
     id: str
@@ -79,13 +94,13 @@ def _calls_in(value: object, tool_names: frozenset[str]) -> list[tuple[str, str]
     objects = value if isinstance(value, list) else [value]
     calls = []
     for obj in objects:
-        if not isinstance(obj, dict) or obj.get("name") not in tool_names:
+        if not isinstance(obj, dict) or not isinstance(obj.get("name"), str) or obj["name"] not in tool_names:
             return None
         arguments = obj.get("arguments", obj.get("parameters"))
         if isinstance(arguments, str):  # some models write the arguments as a JSON string
             try:
-                arguments = json.loads(arguments)
-            except json.JSONDecodeError:
+                arguments = STRICT_JSON.decode(arguments)
+            except (ValueError, RecursionError):
                 return None
         if not isinstance(arguments, dict):
             return None
@@ -95,16 +110,15 @@ def _calls_in(value: object, tool_names: frozenset[str]) -> list[tuple[str, str]
 
 def parse_calls(text: str, tool_names: frozenset[str]) -> list[tuple[str, str]] | None:
     """The calls a block of JSON spells: one object, a list of them, or objects one after another."""
-    decoder = json.JSONDecoder()
     text = text.strip()
     values, at = [], 0
     try:
         while at < len(text):
-            value, at = decoder.raw_decode(text, at)
+            value, at = STRICT_JSON.raw_decode(text, at)
             values.append(value)
             while at < len(text) and text[at] in " \t\r\n,;":
                 at += 1
-    except json.JSONDecodeError:
+    except (ValueError, RecursionError):  # not JSON, or nested past Python's stack: content, not calls
         return None
     calls = []
     for value in values:

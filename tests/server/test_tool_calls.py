@@ -76,6 +76,24 @@ def test_arguments_given_as_a_json_string_are_accepted_and_junk_is_not():
         assert parsed.tool_calls == [] and parsed.content == junk, junk
 
 
+@pytest.mark.parametrize("parser", ["hermes", "json"])
+def test_what_is_no_strict_json_call_stays_content(parser):
+    """A name that is no string, nesting past Python's stack (a small model repeating "["), and NaN, Infinity
+    or 1e999 in arguments (Python reads them; JSON.parse would not read the arguments written back): content,
+    never a raise (a 500, or a stream cut mid-way) nor a call no client can parse."""
+    names = frozenset({"f"})
+    for text in ('{"name": ["f"], "arguments": {}}', '{"name": {"a": 1}, "arguments": {}}', "[" * 3000,
+                 '{"name": "f", "arguments": {"a": ' + "[" * 3000 + "}}", '{"name": "f", "arguments": {"x": NaN}}',
+                 '{"name": "f", "arguments": {"x": -Infinity}}', '{"name": "f", "arguments": {"x": 1e999}}',
+                 '{"name": "f", "arguments": "{\\"x\\": NaN}"}'):
+        answer = f"<tool_call>{text}</tool_call>" if parser == "hermes" else text
+        parsed = parse_answer(answer, parser, names)
+        assert parsed.tool_calls == [] and parsed.content == answer, text
+    call = '{"name": "f", "arguments": {"x": 1e300}}'
+    answer = f"<tool_call>{call}</tool_call>" if parser == "hermes" else call
+    assert _calls(parse_answer(answer, parser, names).tool_calls) == [["f", {"x": 1e300}]]
+
+
 def test_offered_tool_names_skips_malformed_entries():
     tools = [{"type": "function", "function": {"name": "a"}}, {"type": "function"}, "x", {"function": {"name": 3}}]
     assert offered_tool_names(tools) == {"a"}

@@ -118,11 +118,14 @@ class Engine:
         self._waiting.append((request_id, request, time.perf_counter()))
         return request_id
 
-    def abort(self, request_id: int) -> None:
+    def abort(self, request_id: int) -> DecodeStats | None:
+        """Drop a request; returns what it cost so far where it had begun (None while it waited)."""
         self._waiting = deque(item for item in self._waiting if item[0] != request_id)
         state = self._running.pop(request_id, None)
-        if state is not None:
-            self._release(state)
+        if state is None:
+            return None
+        self._release(state)
+        return state.stats
 
     def reset(self) -> None:
         """Drop every request (after a failure); cached prompts are forgotten too."""

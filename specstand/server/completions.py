@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from fastapi import Request as HttpRequest
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from specstand.engine import DecodeStats, GenerationResult, Request, StepEvent
+from specstand.engine import GenerationResult, Request, StepEvent
 from specstand.models import LoadedModel, ModelError
 from specstand.server.bodies import CompletionRequest, SamplingFields, ServerLimits, prompt_chars
 from specstand.server.errors import Refused, error_response
@@ -99,10 +99,11 @@ class Completer:
             return Response(status_code=499)  # the client went away; its slot is freed
         if outcome == "timeout":
             return error_response(504, f"no answer within {self.limits.request_timeout_s:g} s", "timeout")
-        if isinstance(outcome, Exception) or outcome.finish_reason == "error":
+        if isinstance(outcome, Exception) or (outcome != "stopped" and outcome.finish_reason == "error"):
             message = self._failure(meta["id"], outcome)
             return error_response(500, message, "internal_error")
-        return JSONResponse(_full_response(answer, outcome, meta, chat, len(prompt_ids), parsing))
+        result = None if outcome == "stopped" else outcome
+        return JSONResponse(_full_response(answer, result, meta, chat, len(prompt_ids), parsing))
 
     def _request(self, body: SamplingFields, prompt_ids: list[int], tools: list[dict] | None) -> Request:
         engine = self.worker.engine
@@ -154,9 +155,9 @@ class Completer:
             answer.add(event)
             if event.finished is not None:
                 return event.finished
-            if answer.stopped:  # a stop string: the engine can drop the rest
-                self.worker.cancel(ticket)
-                return GenerationResult(event.request_id, [], answer.token_ids, "stop", DecodeStats())
+            if answer.stopped:  # a stop string: the engine can drop the rest (its stats go to /metrics from there)
+                self.worker.cancel(ticket, "finished")
+                return "stopped"
 
     async def _stream(self, ticket: int, events: asyncio.Queue, answer: AnswerText, meta: dict, chat: bool,
                       deadline: float, parsing: ToolParsing | None) -> AsyncIterator[str]:
@@ -205,7 +206,7 @@ class Completer:
             yield "data: [DONE]\n\n"
         finally:
             if not finished or answer.stopped:
-                self.worker.cancel(ticket)
+                self.worker.cancel(ticket, "finished" if finished else "cancelled")
 
     def _stream_failure(self, request_id: str, event) -> str:
         if event == "timeout":
@@ -213,8 +214,10 @@ class Completer:
         return self._failure(request_id, event if isinstance(event, Exception) else event.finished)
 
 
-def _full_response(answer: AnswerText, result: GenerationResult, meta: dict, chat: bool, prompt_tokens: int,
+def _full_response(answer: AnswerText, result: GenerationResult | None, meta: dict, chat: bool, prompt_tokens: int,
                    parsing: ToolParsing | None) -> dict:
+    """`result`: the engine's, or None where a stop string ended the answer first (its stats then reach
+    /metrics when the engine drops it, and the reply carries none rather than zeros)."""
     text = answer.text()
     reason = "stop" if answer.stopped else result.finish_reason
     choice = {"index": 0, "finish_reason": reason, "logprobs": None}
@@ -234,7 +237,7 @@ def _full_response(answer: AnswerText, result: GenerationResult, meta: dict, cha
         "choices": [choice],
         "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
                   "total_tokens": prompt_tokens + completion_tokens},
-        "specstand": {"token_ids": answer.token_ids, "stats": result.stats.to_dict()},
+        "specstand": {"token_ids": answer.token_ids, **({"stats": result.stats.to_dict()} if result else {})},
     }
 
 

@@ -115,8 +115,9 @@ class ServerMetrics:
     def set_pass_seconds_estimated(self, rows: int, seconds: float) -> None:
         self.pass_estimated.labels(self._model, str(rows)).set(seconds)
 
-    def record_cancelled(self) -> None:
-        self.requests.labels(self._model, "cancelled").inc()
+    def record_outcome(self, outcome: str, requests: int = 1) -> None:
+        """Requests that end without stats: dropped while queued, or failed with an engine step."""
+        self.requests.labels(self._model, outcome).inc(requests)
 
     def set_waiting(self, count: int) -> None:
         self.waiting.labels(self._model).set(count)

@@ -52,7 +52,7 @@ class EngineWorker:
         self.stall_s = stall_s  # work waiting and no engine step finished for this long: unhealthy
         self._cond = threading.Condition()
         self._inbox: deque[tuple[int, Request]] = deque()
-        self._cancelled: set[int] = set()
+        self._cancelled: dict[int, str] = {}  # ticket -> its outcome on /metrics
         self._forget_requested = False
         self._tickets: dict[int, _Ticket] = {}
         self._by_engine_id: dict[int, int] = {}
@@ -97,6 +97,8 @@ class EngineWorker:
         with self._cond:
             if len(self._tickets) >= self.max_queue:
                 raise Overloaded(f"server busy: {len(self._tickets)} requests in flight (limit {self.max_queue})")
+            if not self._tickets:  # a stall counts from when work came, not from when the idle began
+                self._progress = time.monotonic()
             ticket_id = next(self._ids)
             ticket = _Ticket(asyncio.get_running_loop(), asyncio.Queue())
             self._tickets[ticket_id] = ticket
@@ -112,10 +114,12 @@ class EngineWorker:
             self._forget_requested = True
             self._cond.notify()
 
-    def cancel(self, ticket_id: int) -> None:
+    def cancel(self, ticket_id: int, outcome: str = "cancelled") -> None:
+        """Drop a request: its client hung up or timed out ("cancelled"), or a stop string ended its answer
+        ("finished"). The engine's work on it so far is counted on /metrics under that outcome."""
         with self._cond:
             if ticket_id in self._tickets:
-                self._cancelled.add(ticket_id)
+                self._cancelled[ticket_id] = outcome
                 self._cond.notify()
 
     def _run(self) -> None:
@@ -166,6 +170,7 @@ class EngineWorker:
                 events = self.engine.step()
             except Exception as error:  # keep serving: fail the requests in flight, reset the engine
                 self._fail_all(error)
+                self._account_step(before, time.perf_counter() - started)
                 continue
             self._progress = time.monotonic()
             for event in events:
@@ -195,14 +200,18 @@ class EngineWorker:
             engine_id = self.engine.add_request(request)
             self._tickets[ticket_id].engine_id = engine_id
             self._by_engine_id[engine_id] = ticket_id
-        for ticket_id in self._cancelled:
+        for ticket_id, outcome in self._cancelled.items():
             ticket = self._tickets.pop(ticket_id, None)
             if ticket is None:
                 continue  # it finished before the hang-up was seen
+            stats = None
             if ticket.engine_id is not None:
-                self.engine.abort(ticket.engine_id)
+                stats = self.engine.abort(ticket.engine_id)
                 self._by_engine_id.pop(ticket.engine_id, None)
-            self.metrics.record_cancelled()  # cancelled while running or still queued
+            if stats is not None:  # its prompt, passes and drafts so far were work the engine did
+                self.metrics.record(stats, outcome)
+            else:
+                self.metrics.record_outcome("cancelled")  # still queued
         self._cancelled.clear()
         self.metrics.set_waiting(len(self._tickets))
 
@@ -231,5 +240,6 @@ class EngineWorker:
             self._inbox.clear()
             self.engine.reset()
             self.metrics.set_waiting(0)
+            self.metrics.record_outcome("failed", len(tickets))
         for ticket in tickets:
             ticket.loop.call_soon_threadsafe(ticket.events.put_nowait, error)

@@ -220,8 +220,8 @@ def test_disconnect_frees_the_slot(tiny_model_dir):
     hung_up = threading.Event()
     cancel, step = live.worker.cancel, live.worker.engine.step
 
-    def cancel_and_release(ticket: int) -> None:
-        cancel(ticket)
+    def cancel_and_release(ticket: int, outcome: str = "cancelled") -> None:
+        cancel(ticket, outcome)
         hung_up.set()
 
     def held_step():

@@ -7,6 +7,7 @@ import hmac
 import logging
 
 from fastapi import FastAPI
+from starlette.exceptions import HTTPException
 
 from specstand.server.errors import error_response
 
@@ -33,21 +34,20 @@ class BodyLimit:
             if message["type"] == "http.request":
                 seen += len(message.get("body", b""))
                 if seen > self.limit:
-                    raise _BodyTooLarge
+                    # a body sent in chunks, without its length: FastAPI answers an HTTPException raised while it
+                    # reads the body as it is (any other exception there becomes a 400)
+                    raise HTTPException(413, self._over)
             return message
 
-        try:
-            await self.app(scope, counted, send)
-        except _BodyTooLarge:
-            await self._too_large(scope, receive, send)
+        await self.app(scope, counted, send)
+
+    @property
+    def _over(self) -> str:
+        return f"request body over {self.limit} bytes"
 
     async def _too_large(self, scope, receive, send) -> None:
-        response = error_response(413, f"request body over {self.limit} bytes", "invalid_request_error")
+        response = error_response(413, self._over, "invalid_request_error")
         await response(scope, receive, send)
-
-
-class _BodyTooLarge(Exception):
-    pass
 
 
 class FailureTrap:

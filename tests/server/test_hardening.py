@@ -138,8 +138,11 @@ def test_bad_and_malformed_requests_leave_good_streams_untouched(server):
         replies = list(pool.map(
             lambda item: (item, httpx.post(url, content=item[0], headers={"content-type": "application/json"},
                                            timeout=60)), bad))
+        chunked = pool.submit(httpx.post, url, content=iter([b'{"messages": [' + b" " * 1024] * 70),
+                              headers={"content-type": "application/json"}, timeout=60)  # no length declared
         streamed = [s.result() for s in streams]
     assert streamed == alone
+    assert chunked.result().status_code == 413 and "over 65536 bytes" in chunked.result().json()["error"]["message"]
     for (body, expected), reply in replies:
         assert reply.status_code < 500, (body[:120], reply.text[:200])
         assert reply.status_code == expected or expected is None, (body[:120], reply.status_code, reply.text[:200])

@@ -34,6 +34,11 @@ class ChatMessage(BaseModel):
     tool_call_id: str | None = None
 
 
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    include_usage: bool = False  # a last chunk with the usage and no choices, as OpenAI's
+
+
 class SamplingFields(BaseModel):
     """The fields chat and plain completions share."""
 
@@ -47,6 +52,7 @@ class SamplingFields(BaseModel):
     top_k: int = Field(default=0, ge=-1)  # -1 or 0: no top-k cut (vLLM uses -1)
     seed: int | None = Field(default=None, ge=-(2**63), lt=2**64)
     stream: bool = False
+    stream_options: StreamOptions | None = None
     n: Literal[1] = 1
     stop: str | list[str] | None = None
     # refused unless left at their neutral value: the engine cannot honour them
@@ -70,6 +76,10 @@ class SamplingFields(BaseModel):
             fields.append("response_format")
         return fields
 
+    @property
+    def include_usage(self) -> bool:
+        return self.stream and self.stream_options is not None and self.stream_options.include_usage
+
     def stop_strings(self) -> list[str]:
         stops = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         return [s for s in stops if s]
@@ -83,6 +93,15 @@ class ChatCompletionRequest(SamplingFields):
 
 class CompletionRequest(SamplingFields):
     prompt: str | list[int] = Field(min_length=1)  # text, or token ids as the OpenAI API allows
+    # refused unless left at their neutral value, as the shared ones above
+    echo: bool = False
+    best_of: int | None = None
+    suffix: str | None = None
+
+    def unsupported(self) -> list[str]:
+        fields = super().unsupported()
+        return fields + [name for name, used in (("echo", self.echo), ("best_of", self.best_of not in (None, 1)),
+                                                 ("suffix", bool(self.suffix))) if used]
 
 
 def message_dict(message: ChatMessage) -> dict:

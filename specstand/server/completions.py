@@ -88,7 +88,8 @@ class Completer:
         answer = AnswerText(self.model, body.stop_strings())
         deadline = time.monotonic() + self.limits.request_timeout_s
         if body.stream:
-            return StreamingResponse(self._stream(ticket, events, answer, meta, chat, deadline, parsing),
+            usage_of = len(prompt_ids) if body.include_usage else None
+            return StreamingResponse(self._stream(ticket, events, answer, meta, chat, deadline, parsing, usage_of),
                                      media_type="text/event-stream")
         try:
             outcome = await self._wait(ticket, events, answer, http, deadline)
@@ -160,7 +161,9 @@ class Completer:
                 return "stopped"
 
     async def _stream(self, ticket: int, events: asyncio.Queue, answer: AnswerText, meta: dict, chat: bool,
-                      deadline: float, parsing: ToolParsing | None) -> AsyncIterator[str]:
+                      deadline: float, parsing: ToolParsing | None, usage_of: int | None) -> AsyncIterator[str]:
+        """The answer's chunks; with `usage_of` (the prompt's tokens: stream_options.include_usage), a last
+        chunk with the usage and no choices."""
         kind = "chat.completion.chunk" if chat else "text_completion"
         calls = ToolCallStream(parsing.parser, parsing.tool_names) if parsing else None
         called = 0  # tool calls streamed so far
@@ -203,6 +206,8 @@ class Completer:
                     last = finished and i == len(bodies) - 1
                     yield _sse({**meta, "object": kind,
                                 "choices": [{"index": 0, **body, "finish_reason": reason if last else None}]})
+            if finished and usage_of is not None:
+                yield _sse({**meta, "object": kind, "choices": [], "usage": _usage(usage_of, len(answer.token_ids))})
             yield "data: [DONE]\n\n"
         finally:
             if not finished or answer.stopped:
@@ -235,10 +240,14 @@ def _full_response(answer: AnswerText, result: GenerationResult | None, meta: di
         **meta,
         "object": "chat.completion" if chat else "text_completion",
         "choices": [choice],
-        "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-                  "total_tokens": prompt_tokens + completion_tokens},
+        "usage": _usage(prompt_tokens, completion_tokens),
         "specstand": {"token_ids": answer.token_ids, **({"stats": result.stats.to_dict()} if result else {})},
     }
+
+
+def _usage(prompt_tokens: int, completion_tokens: int) -> dict:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
 
 
 class AnswerText:

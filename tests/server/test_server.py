@@ -113,8 +113,21 @@ def test_streaming_and_completions(server):
                                                    stream=True)
     text = "".join(c.choices[0].delta.content or "" for c in chunks)
     assert text == full.choices[0].message.content
+    # stream_options.include_usage: one last chunk with the usage and no choices, the whole answer's
+    chunks = list(server.client.chat.completions.create(model=served, messages=messages, max_tokens=16,
+                                                        temperature=0, stream=True,
+                                                        stream_options={"include_usage": True}))
+    assert chunks[-1].choices == [] and chunks[-1].usage == full.usage
+    assert all(c.usage is None for c in chunks[:-1])
     completion = server.client.completions.create(model=served, prompt="w3 w4 w5", max_tokens=8, temperature=0)
     assert completion.choices[0].finish_reason in ("stop", "length")
+    # the completions fields the engine does not do are refused, never dropped in silence
+    for field, value in (("echo", True), ("best_of", 2), ("suffix", " w9")):
+        reply = httpx.post(server.url + "/v1/completions", json={"prompt": "w3", "max_tokens": 2, field: value},
+                           timeout=30)
+        assert reply.status_code == 400 and field in reply.json()["error"]["message"], field
+    neutral = {"prompt": "w3", "max_tokens": 2, "echo": False, "best_of": 1, "suffix": ""}
+    assert httpx.post(server.url + "/v1/completions", json=neutral, timeout=30).status_code == 200
 
 
 def test_bad_requests_get_4xx_and_the_server_keeps_serving(server):

@@ -20,13 +20,22 @@ from specstand.workloads import Call
 _FENCE = re.compile(r"^\s*```[a-zA-Z]*\s*\n?(.*?)\n?```\s*$", re.DOTALL)
 
 
+def _not_json(constant: str) -> object:
+    raise ValueError(f"{constant} is not JSON")
+
+
+def _strict_loads(text: str) -> object:
+    """JSON as the agent's parser reads it: Python's would also take NaN and Infinity."""
+    return json.loads(text, parse_constant=_not_json)
+
+
 def json_is_broken(text: str, schema: dict | None) -> bool:
     """An expected-JSON answer is broken if it does not parse (a surrounding ``` fence is allowed) or
     does not validate against its schema."""
     match = _FENCE.match(text)
     try:
-        value = json.loads(match.group(1) if match else text)
-    except json.JSONDecodeError:
+        value = _strict_loads(match.group(1) if match else text)
+    except (ValueError, RecursionError):  # not JSON, nested past Python's stack, or a number too long to read
         return True
     if schema:
         try:
@@ -40,8 +49,8 @@ def tool_call_is_broken(tool_call: dict, offered: frozenset[str]) -> bool:
     if tool_call.get("name") not in offered or not isinstance(tool_call.get("arguments"), str):
         return True
     try:
-        return not isinstance(json.loads(tool_call["arguments"]), dict)
-    except json.JSONDecodeError:
+        return not isinstance(_strict_loads(tool_call["arguments"]), dict)
+    except (ValueError, RecursionError):
         return True
 
 
@@ -72,7 +81,7 @@ def answer_key(record: CallRecord) -> tuple:
     calls = []
     for tool_call in record.tool_calls or []:
         arguments = tool_call.get("arguments")
-        with contextlib.suppress(TypeError, json.JSONDecodeError):  # unparsable arguments: compared as written
+        with contextlib.suppress(TypeError, ValueError, RecursionError):  # unparsable: compared as written
             arguments = json.dumps(json.loads(arguments), sort_keys=True)
         calls.append((tool_call.get("name"), arguments))
     return record.text, tuple(calls)

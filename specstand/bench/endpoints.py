@@ -54,7 +54,7 @@ class OpenAIEndpoint:
         data = reply.json()
         choice = data["choices"][0]
         text = choice["message"]["content"] if "message" in choice else choice["text"]
-        tokens = int(data.get("usage", {}).get("completion_tokens", 0))
+        tokens = int((data.get("usage") or {}).get("completion_tokens") or 0)  # a server may send "usage": null
         calls = [c.get("function") or {} for c in (choice.get("message") or {}).get("tool_calls") or []]
         tool_calls = [{"name": c.get("name"), "arguments": c.get("arguments")} for c in calls] or None
         return Answer(text or "", tokens, choice.get("finish_reason") or "", tool_calls)
@@ -92,7 +92,10 @@ class OpenAIEndpoint:
             return None
         if reply.status_code != 200:
             return None
-        return [sample for family in text_string_to_metric_families(reply.text) for sample in family.samples]
+        try:
+            return [sample for family in text_string_to_metric_families(reply.text) for sample in family.samples]
+        except ValueError:  # a page that is no Prometheus text (a proxy's HTML, say): no metrics either
+            return None
 
     async def wait_idle(self, timeout_s: float = 10.0, poll_s: float = 0.05) -> bool | None:
         """Wait until the server runs and queues no request, as its gauges tell (specstand's, vLLM's): the calls

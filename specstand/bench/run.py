@@ -216,8 +216,11 @@ async def _restarted(target: Target, endpoint: OpenAIEndpoint) -> None:
 
 def stop_servers(targets: list[Target]) -> None:
     for target in targets:
-        if target.process is not None and target.process.poll() is None:
-            _stop(target.process, target.command is not None)
+        if target.process is None:
+            continue
+        session = target.command is not None  # a peer's shell may have exited and left its server running
+        if target.process.poll() is None or (session and _session_alive(target.process.pid)):
+            _stop(target.process, session)
 
 
 def _stop(process: subprocess.Popen, whole_session: bool) -> None:

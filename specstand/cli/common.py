@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 
 DTYPE_CHOICES = ["bf16", "fp32", "q8_0"]  # models/loading.py DTYPES
@@ -19,6 +20,18 @@ class CliError(Exception):
 class CliParser(argparse.ArgumentParser):
     def error(self, message: str) -> None:  # one line instead of usage + message
         raise CliError(message)
+
+
+def finite_float(text: str) -> float:
+    """argparse's type for a float option: float() also reads "inf" and "nan", which no option means (an
+    infinite --stagger hangs the bench; --prefix-cache-gb inf overflows)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+    if not math.isfinite(value):
+        raise argparse.ArgumentTypeError(f"not a finite number: {text!r}")
+    return value
 
 
 def log(message: str) -> None:

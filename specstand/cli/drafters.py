@@ -11,7 +11,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from specstand.cli.common import DTYPE_CHOICES, DTYPE_HELP, CliError, log
+from specstand.cli.common import DTYPE_CHOICES, DTYPE_HELP, CliError, finite_float, log
 from specstand.drafters.registry import training_free_methods
 
 if TYPE_CHECKING:
@@ -22,7 +22,7 @@ RECORDED_MODEL_HELP = "the target (default: the one the data or drafter were mad
 # train's numeric options: name, type, default, help
 TRAIN_OPTIONS = [
     ("steps", int, 500, "optimizer steps"),
-    ("lr", float, 1e-3, "peak learning rate (linear warm-up, then linear decay)"),
+    ("lr", finite_float, 1e-3, "peak learning rate (linear warm-up, then linear decay)"),
     ("pack-tokens", int, 2048, "tokens per training pack"),
     ("save-every", int, 50, "write a checkpoint every this many steps"),
     ("seed", int, 0, "seed of initialisation and data order"),
@@ -37,7 +37,7 @@ TRAIN_OPTIONS = [
     ("conv-kernel-size", int, 2, "dflash2: kernel size of its convolution"),
     ("selector-rank", int, 256, "dflash2: rank of its ranker"),
     ("selector-top-k", int, 16, "dflash2: candidates its ranker orders"),
-    ("selector-alpha", float, 1.0, "dflash2: weight of the ranker's loss beside the unary one"),
+    ("selector-alpha", finite_float, 1.0, "dflash2: weight of the ranker's loss beside the unary one"),
 ]
 
 
@@ -54,9 +54,9 @@ def _add_train_data_parser(commands: argparse._SubParsersAction) -> None:
                       help="the target (default: the one a resumed --out was started with, else smollm2-135m)")
     data.add_argument("--workload", type=Path, action="append", required=True, help="workload JSONL (repeatable)")
     data.add_argument("--out", type=Path, required=True, help="folder of the rows (a partial run there resumes)")
-    data.add_argument("--heldout", type=float, default=0.15, help="share of turns held out for evaluation")
+    data.add_argument("--heldout", type=finite_float, default=0.15, help="share of turns held out for evaluation")
     data.add_argument("--limit-calls", type=int, default=None, help="answer at most this many calls")
-    data.add_argument("--temperature", type=float, default=0.0, help="0: greedy answers")
+    data.add_argument("--temperature", type=finite_float, default=0.0, help="0: greedy answers")
     data.add_argument("--seed", type=int, default=0, help="sampling seed (with --temperature > 0)")
     data.add_argument("--samples", type=int, default=1, help="answers per call (needs --temperature > 0)")
     data.add_argument("--method", default="suffix", choices=training_free_methods(),
@@ -77,7 +77,7 @@ def _add_train_parser(commands: argparse._SubParsersAction) -> None:
     train.add_argument("--model", default=None, help=RECORDED_MODEL_HELP)
     train.add_argument("--data", type=Path, action="append", required=True,
                        help="a `train-data` folder (repeatable: their rows are trained on together)")
-    train.add_argument("--data-fraction", type=float, default=1.0,
+    train.add_argument("--data-fraction", type=finite_float, default=1.0,
                        help="train on this share of the training turns (stable and nested, for data-size curves)")
     train.add_argument("--out", type=Path, required=True,
                        help="checkpoint folder, resumed when it holds one (several methods: OUT/<method>)")

@@ -12,7 +12,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from specstand.cli.common import API_KEY_ENV, CliError, log
+from specstand.cli.common import API_KEY_ENV, CliError, finite_float, log
 from specstand.cli.target import add_target_args, check_target_args
 from specstand.engine import GenerationResult
 
@@ -24,8 +24,8 @@ GENERATE_QUIET_WAIT_S = 10.0  # generate: the most a one-off call waits for quie
 def add_parsers(commands: argparse._SubParsersAction) -> None:
     gen = commands.add_parser("generate", help="decode one prompt and print the answer and its stats")
     add_target_args(gen)
-    gen.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
-    gen.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling: keep this share of probability")
+    gen.add_argument("--temperature", type=finite_float, default=0.0, help="0: greedy")
+    gen.add_argument("--top-p", type=finite_float, default=1.0, help="nucleus sampling: keep this share of probability")
     gen.add_argument("--top-k", type=int, default=0, help="sample among the k likeliest tokens (0: all)")
     gen.add_argument("--seed", type=int, default=None, help="sampling seed (default: random)")
     gen.add_argument("--max-tokens", type=int, default=256, help="most answer tokens")
@@ -44,7 +44,7 @@ def add_parsers(commands: argparse._SubParsersAction) -> None:
     serve.add_argument("--max-batch", "--max-num-seqs", dest="max_batch", type=int, default=8,
                        help="requests decoded together")
     serve.add_argument("--max-queue", type=int, default=64, help="requests in flight before 429")
-    serve.add_argument("--prefix-cache-gb", type=float, default=None,
+    serve.add_argument("--prefix-cache-gb", type=finite_float, default=None,
                        help="host memory for finished requests' K/V, reused by later prompts with the same head "
                             "(an agent's system prompt and tools) after their slot is taken; 0: slots only "
                             "(default: a quarter of the free memory, at most 4)")
@@ -56,7 +56,8 @@ def add_parsers(commands: argparse._SubParsersAction) -> None:
                             "fenced or tagged); default: the preset's (json)")
     serve.add_argument("--api-key", default=os.environ.get(API_KEY_ENV) or None,
                        help=f"require `Authorization: Bearer KEY` on /v1/* (default: ${API_KEY_ENV})")
-    serve.add_argument("--request-timeout", type=float, default=600.0, help="server-side deadline per request (s)")
+    serve.add_argument("--request-timeout", type=finite_float, default=600.0,
+                       help="server-side deadline per request (s)")
     serve.add_argument("--max-prompt-chars", type=int, default=1_000_000, help="longer prompts get a 400")
     serve.add_argument("--max-body-bytes", type=int, default=8 * 2**20, help="larger request bodies get a 413")
 

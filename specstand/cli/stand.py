@@ -9,7 +9,15 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from specstand.cli.common import API_KEY_ENV, AUTO_DTYPE_HELP, DTYPE_CHOICES, CliError, CliParser, log
+from specstand.cli.common import (
+    API_KEY_ENV,
+    AUTO_DTYPE_HELP,
+    DTYPE_CHOICES,
+    CliError,
+    CliParser,
+    finite_float,
+    log,
+)
 from specstand.cli.target import apply_speculative_config
 from specstand.drafters import method_names
 
@@ -49,7 +57,7 @@ def _add_record_parser(commands: argparse._SubParsersAction) -> None:
     record.add_argument("--host", default="127.0.0.1", help="address the proxy listens on")
     record.add_argument("--port", type=int, default=8100, help="port the proxy listens on")
     record.add_argument("--out", type=Path, required=True, help="workload file; finished turns are appended")
-    record.add_argument("--turn-idle", type=float, default=30.0,
+    record.add_argument("--turn-idle", type=finite_float, default=30.0,
                         help="a turn with no call for this many seconds is finished and written")
 
 
@@ -83,7 +91,7 @@ def _add_bench_parser(commands: argparse._SubParsersAction) -> None:
                             "workload's system prompts and tool definitions, as on a server that has served "
                             "the same agent: an agent repeats them in every call) or none (cold, every head "
                             "computed in the run; a first call of the day). Default: system")
-    bench.add_argument("--stagger", type=float, default=0.0, metavar="SECONDS",
+    bench.add_argument("--stagger", type=finite_float, default=0.0, metavar="SECONDS",
                        help="user u starts u * SECONDS into each run (the load ramps from 1 to U), so that the "
                             "users' prompts and answers do not come in lockstep (default 0: all start together)")
     bench.add_argument("--limit-turns", type=int, default=None, help="replay only the workload's first N turns")
@@ -103,6 +111,8 @@ def cmd_workload(args: argparse.Namespace) -> None:
         raise CliError("--limit must be >= 1")
     if args.skip < 0:
         raise CliError("--skip must be >= 0")
+    if args.max_tokens is not None and args.max_tokens < 1:
+        raise CliError("--max-tokens must be >= 1")
     wanted = None if args.limit is None else args.skip + args.limit
     if args.source == "spec-bench":
         turns = import_spec_bench(args.spec_bench_file or SPEC_BENCH, wanted, args.max_prompt_chars,
@@ -125,9 +135,11 @@ def cmd_record(args: argparse.Namespace) -> None:
 
     if not args.upstream.startswith("http"):
         raise CliError(f"--upstream must be an http(s) URL, not {args.upstream!r}")
-    log(f"recording calls to {args.upstream} via http://{args.host}:{args.port} into {args.out}")
     if args.turn_idle <= 0:
         raise CliError("--turn-idle must be > 0")
+    if not 0 <= args.port < 2**16:
+        raise CliError(f"--port must be in [0, 65535], not {args.port}")
+    log(f"recording calls to {args.upstream} via http://{args.host}:{args.port} into {args.out}")
     uvicorn.run(create_recorder(args.upstream, args.out, args.turn_idle), host=args.host, port=args.port,
                 log_level="warning")
 
@@ -148,7 +160,7 @@ def _parse_users(text: str) -> list[int]:
         raise CliError(f"--users must be comma-separated integers, not {text!r}") from None
     if not users or min(users) < 1:
         raise CliError("--users needs counts >= 1")
-    return users
+    return list(dict.fromkeys(users))  # "1,1" would summarise each run twice
 
 
 def cmd_bench(args: argparse.Namespace) -> None:
@@ -171,10 +183,22 @@ def cmd_bench(args: argparse.Namespace) -> None:
             "prompts cached and its answers remembered from the user that started it earlier; give at least as "
             "many turns as users")
     methods, configured = _bench_methods(args)
-    # a `kill` must stop the servers started below too (the finally clause), or they keep loading the CPU
-    signal.signal(signal.SIGTERM, _exit_on_sigterm)
     targets = _endpoint_targets(args.endpoint, args.endpoint_command)
     drafters = _drafters_by_method(args.drafter)
+    # what can be checked before any server starts is (a model's servers take minutes to start and profile)
+    names = [t.name for t in targets] + methods + [name for name, _ in configured]
+    twice = sorted({name for name in names if names.count(name) > 1})
+    if twice:
+        raise CliError(f"two targets are named {twice[0]!r}: each --endpoint, --method and --speculative-config "
+                       "needs its own name (one would be measured under both)")
+    if args.baseline is not None and args.baseline not in names:
+        raise CliError(f"--baseline {args.baseline!r} is not one of the targets ({', '.join(names)})")
+    try:
+        args.out.mkdir(parents=True, exist_ok=True)
+    except OSError as error:
+        raise CliError(f"--out {args.out}: {error.strerror}") from None
+    # a `kill` must stop the servers started below too (the finally clause), or they keep loading the CPU
+    signal.signal(signal.SIGTERM, _exit_on_sigterm)
     if args.model and (methods or configured) and args.max_seq_len is None:
         args.max_seq_len = workload_context(turns, args.model, max(args.k or 0, 15))
         log(f"context per request: {args.max_seq_len} tokens (the workload's longest prompt + answer + K + 1)")
@@ -208,7 +232,11 @@ def _bench_methods(args: argparse.Namespace) -> tuple[list[str], list[tuple[str,
     methods = list(dict.fromkeys(bench_method(m) for value in args.method for m in value.split(",") if m))
     if args.fixed:
         methods += [f"{m}{FIXED}" for m in methods if m != "none" and not m.endswith(FIXED)]
-    configured = [(_config_target_name(text), text) for text in args.speculative_config]
+    configured = []
+    for text in args.speculative_config:  # two configurations that differ past method and K get #2, #3, ...
+        name = _config_target_name(text)
+        taken = sum(1 for earlier, _ in configured if earlier.split("#")[0] == name)
+        configured.append((f"{name}#{taken + 1}" if taken else name, text))
     if configured and not args.model:
         raise CliError("--speculative-config needs --model")
     for method in methods:
@@ -269,10 +297,7 @@ def _bench_config(args: argparse.Namespace, users: list[int], warm: tuple[str, .
                   targets: list[Target]) -> BenchConfig:
     from specstand.bench.run import BenchConfig
 
-    baseline = args.baseline or targets[0].name
-    if baseline not in [t.name for t in targets]:
-        raise CliError(f"--baseline {baseline!r} is not one of the targets")
-    return BenchConfig(str(args.workload), users, args.repeats, args.out, baseline,
+    return BenchConfig(str(args.workload), users, args.repeats, args.out, args.baseline or targets[0].name,
                        {"model": args.model, "dtype": args.dtype, "max_batch": args.max_batch,
                         "max_seq_len": args.max_seq_len}, api_key=args.api_key, warm=warm,
                        stagger_s=args.stagger)

@@ -20,12 +20,19 @@ answers that must parse as JSON, and validate against `json_schema` when one is 
 from __future__ import annotations
 
 import json
+import math
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import jsonschema
+from referencing import Registry, Resource
+from referencing.exceptions import Unresolvable
+from referencing.jsonschema import DRAFT202012
 
 from specstand.files import write_text_atomic
+
+_SCHEMA_URI = "urn:specstand:json-schema"  # the name a call's schema goes by while its $refs are looked up
 
 CALL_SCHEMA = {
     "type": "object",
@@ -130,13 +137,56 @@ def _reason(error: jsonschema.ValidationError) -> str:
 
 
 def _check_json_schemas(turn: Turn, where: str) -> None:
-    """An answer is judged against its call's schema (broken JSON), so the schema itself must be one."""
+    """An answer is judged against its call's schema (broken JSON), so the schema itself must be one, every
+    `$ref` in it resolving inside it (the bench reaches no network)."""
     for i, call in enumerate(turn.calls):
         if call.json_schema:
             try:
                 jsonschema.validators.validator_for(call.json_schema).check_schema(call.json_schema)
             except jsonschema.SchemaError as error:
                 raise WorkloadError(f"{where}: calls[{i}].json_schema: not a JSON schema ({error.message})") from None
+            ref = _unresolved_ref(call.json_schema)
+            if ref is not None:
+                raise WorkloadError(f"{where}: calls[{i}].json_schema: $ref {ref!r} points nowhere in the schema")
+
+
+def _unresolved_ref(schema: dict) -> str | None:
+    resolver = Registry().with_resource(_SCHEMA_URI, Resource.from_contents(
+        schema, default_specification=DRAFT202012)).resolver(_SCHEMA_URI)
+    for ref in _refs(schema):
+        try:
+            resolver.lookup(ref)
+        except Unresolvable:
+            return ref
+    return None
+
+
+def _refs(value: object) -> Iterator[str]:
+    if isinstance(value, dict):
+        if isinstance(value.get("$ref"), str):
+            yield value["$ref"]
+        for item in value.values():
+            yield from _refs(item)
+    elif isinstance(value, list):
+        for item in value:
+            yield from _refs(item)
+
+
+def _finite_number(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value):
+        raise ValueError(f"{text} is past a double's range")
+    return value
+
+
+def _no_constant(name: str) -> float:
+    raise ValueError(f"{name} is not JSON")
+
+
+def _read_line(line: str) -> object:
+    """A line's JSON, strictly: Python reads NaN, Infinity and 1e999, and an infinite delay_ms would hang the
+    replay."""
+    return json.loads(line, parse_constant=_no_constant, parse_float=_finite_number)
 
 
 def _check_graph(turn: Turn, where: str) -> None:
@@ -163,31 +213,44 @@ def _check_graph(turn: Turn, where: str) -> None:
 def load_workload(path: str | Path) -> list[Turn]:
     path = Path(path)
     try:
-        lines = path.read_text().splitlines()
+        lines = path.read_text(encoding="utf-8").splitlines()
     except OSError as error:
         raise WorkloadError(f"cannot read workload {path}: {error.strerror}") from None
+    except UnicodeDecodeError:
+        raise WorkloadError(f"workload {path} is not UTF-8 text") from None
     turns = []
     for number, line in enumerate(lines, start=1):
         if not line.strip():
             continue
         where = f"{path}:{number}"
         try:
-            data = json.loads(line)
+            data = _read_line(line)
         except json.JSONDecodeError as error:
             raise WorkloadError(f"{where}: not valid JSON ({error.msg})") from None
+        except (ValueError, RecursionError) as error:
+            raise WorkloadError(f"{where}: not valid JSON ({error})") from None
         turns.append(parse_turn(data, where))
     if not turns:
         raise WorkloadError(f"workload {path} holds no turns")
-    seen: set[str] = set()
-    for turn in turns:
-        if turn.turn_id in seen:
-            raise WorkloadError(f"{path}: duplicate turn_id {turn.turn_id!r}")
-        seen.add(turn.turn_id)
+    _check_unique_ids(turns, str(path))
     return turns
 
 
+def _check_unique_ids(turns: list[Turn], where: str) -> None:
+    seen: set[str] = set()
+    for turn in turns:
+        if turn.turn_id in seen:
+            raise WorkloadError(f"{where}: duplicate turn_id {turn.turn_id!r}")
+        seen.add(turn.turn_id)
+
+
 def save_workload(turns: list[Turn], path: str | Path) -> None:
-    """Write atomically: a crash never leaves a half-written workload under the final name."""
+    """Write atomically: a crash never leaves a half-written workload under the final name. Each turn is first
+    read back as load_workload will read it, so nothing is written that the bench would refuse."""
     path = Path(path)
+    lines = [turn.to_json() for turn in turns]
+    for number, line in enumerate(lines, start=1):
+        parse_turn(_read_line(line), f"{path}: turn {number}")
+    _check_unique_ids(turns, str(path))
     path.parent.mkdir(parents=True, exist_ok=True)
-    write_text_atomic(path, "".join(turn.to_json() + "\n" for turn in turns))
+    write_text_atomic(path, "".join(line + "\n" for line in lines))

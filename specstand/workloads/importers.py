@@ -155,14 +155,14 @@ def import_spec_bench(path: Path, limit: int | None, max_prompt_chars: int, max_
                             "ships as data/spec_bench/question.jsonl) with --spec-bench-file")
     turns: list[Turn] = []
     taken: dict[str, int] = {}
-    for number, row in enumerate(_jsonl(path), start=1):
+    for number, row in _jsonl(path):
         turns_of_row = row.get("turns") if isinstance(row, dict) else None
         if not (isinstance(turns_of_row, list) and turns_of_row and isinstance(turns_of_row[0], str)
                 and "question_id" in row):
             raise WorkloadError(f"{path}:{number}: a Spec-Bench row needs 'question_id' and a list of 'turns'")
         question = turns_of_row[0]
-        category = row.get("category", "")
-        if len(question) > max_prompt_chars or taken.get(category, 0) == per_category:
+        category = str(row.get("category", ""))
+        if not question or len(question) > max_prompt_chars or taken.get(category, 0) == per_category:
             continue
         taken[category] = taken.get(category, 0) + 1
         if plain:
@@ -176,7 +176,15 @@ def import_spec_bench(path: Path, limit: int | None, max_prompt_chars: int, max_
     return turns
 
 
-def _jsonl(path: Path) -> Iterator[dict]:
-    for line in path.read_text().splitlines():
+def _jsonl(path: Path) -> Iterator[tuple[int, object]]:
+    """Each non-blank line's number (as an editor counts them) and JSON value."""
+    try:
+        lines = path.read_text(encoding="utf-8").splitlines()
+    except UnicodeDecodeError:
+        raise WorkloadError(f"{path} is not UTF-8 text") from None
+    for number, line in enumerate(lines, start=1):
         if line.strip():
-            yield json.loads(line)
+            try:
+                yield number, json.loads(line)
+            except ValueError as error:
+                raise WorkloadError(f"{path}:{number}: not valid JSON ({error})") from None

@@ -6,6 +6,7 @@ import socket
 import subprocess
 import sys
 import time
+from types import SimpleNamespace
 
 import psutil
 import pytest
@@ -78,10 +79,40 @@ def test_bench_argument_errors(tmp_path, capsys):
         (["--model", "m", "--method", "none@fixed"], "unknown method"),
         ([], "give --endpoint"),
         (["--endpoint", "nourl"], "NAME=URL"),
+        (["--stagger", "inf"], "not a finite number"),  # hung the bench
+        (["--endpoint", "a=http://127.0.0.1:9", "--endpoint", "a=http://127.0.0.1:10"], "two targets are named 'a'"),
+        (["--endpoint", "suffix=http://127.0.0.1:9", "--model", "m", "--method", "suffix"],
+         "two targets are named 'suffix'"),
+        # checked before any server starts (an endpoint command, or a model's servers, took minutes first)
+        (["--endpoint", "a=http://127.0.0.1:9", "--endpoint-command", "a=exit 1", "--baseline", "typo"],
+         "--baseline 'typo' is not one of the targets (a)"),
+        (["--endpoint", "a=http://127.0.0.1:9", "--endpoint-command", "a=exit 1", "--out", str(workload)],
+         "--out"),
     ):
         code = main(["bench", "--workload", str(workload), "--out", str(tmp_path / "o"), *argv])
         err = capsys.readouterr().err
         assert code != 0 and message in err and len(err.strip().splitlines()) == 1
+
+
+def test_users_given_twice_are_one_user_count_and_configs_alike_get_their_own_names():
+    from specstand.cli.stand import _bench_methods, _parse_users
+
+    assert _parse_users("1,4,1") == [1, 4]  # "1,1" summarised every run twice
+    config = '{"method": "ngram", "num_speculative_tokens": 5, "prompt_lookup_max": %d}'
+    args = SimpleNamespace(method=[], fixed=False, model="m", endpoint=["peer=http://127.0.0.1:9"],
+                           speculative_config=[config % 3, config % 4, config % 5])
+    assert [name for name, _ in _bench_methods(args)[1]] == ["ngram-cfg-k5", "ngram-cfg-k5#2", "ngram-cfg-k5#3"]
+
+
+def test_a_peer_command_whose_shell_exited_is_stopped_with_its_server(tmp_path):
+    from specstand.bench.run import _session_alive, stop_servers
+
+    target = Target("bg", "http://127.0.0.1:9", command="sleep 60 & exit 0")  # the server outlives its shell
+    target.process = subprocess.Popen(target.command, shell=True, start_new_session=True)
+    target.process.wait(timeout=10)
+    assert _session_alive(target.process.pid)
+    stop_servers([target])
+    assert not _session_alive(target.process.pid)
 
 
 def test_server_context_is_sized_from_the_workload(tiny_model_dir):

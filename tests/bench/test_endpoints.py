@@ -45,6 +45,17 @@ def test_the_api_key_is_sent_and_tool_calls_are_read():
     assert json.loads(reply.tool_calls[0]["arguments"]) == {"a": 1}
 
 
+def test_a_good_reply_with_null_usage_is_an_answer():
+    def answer(request: httpx.Request) -> httpx.Response:
+        return httpx.Response(200, json={"choices": [{"index": 0, "text": "{}", "finish_reason": "stop"}],
+                                         "usage": None})
+
+    endpoint = OpenAIEndpoint("http://stand.test", model="m")
+    endpoint.client = httpx.AsyncClient(transport=httpx.MockTransport(answer))
+    reply = asyncio.run(endpoint.complete(Call("a", prompt="q")))
+    assert (reply.text, reply.completion_tokens) == ("{}", 0)
+
+
 def _metrics_endpoint(pages: list[str]) -> OpenAIEndpoint:
     """An endpoint whose /metrics answers `pages` in turn (the last one from then on)."""
 
@@ -65,6 +76,9 @@ def test_a_run_waits_for_the_server_to_drop_the_calls_it_cancelled():
     assert asyncio.run(_metrics_endpoint([vllm]).wait_idle(timeout_s=0.05, poll_s=0.01)) is False  # never idle
     # a server without such gauges is not waited for
     assert asyncio.run(_metrics_endpoint(["# TYPE other gauge\nother 3.0\n"]).wait_idle(timeout_s=5)) is None
+    # nor one whose /metrics is no Prometheus text; it has no metrics to scrape either
+    assert asyncio.run(_metrics_endpoint(["<html>hi</html>"]).wait_idle(timeout_s=5)) is None
+    assert asyncio.run(_metrics_endpoint(["<html>hi</html>"]).scrape_metrics()) == {}
 
 
 def test_a_runs_metrics_are_counters_increases_and_gauges_as_they_stand():

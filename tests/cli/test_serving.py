@@ -194,6 +194,7 @@ def test_tool_call_parser_names_match_the_server():
     (["m", "--dtype", "float16"], "unknown dtype 'float16'"),
     (["m", "--tool-call-parser", "pythonic"], "invalid choice"),
     (["m", "--port", "70000"], "--port"),
+    (["m", "--prefix-cache-gb", "inf"], "not a finite number"),  # overflowed: a traceback
 ])
 def test_serve_refuses_bad_flags_before_loading(capsys, argv, words):
     code, out, err = run_cli(capsys, "serve", *argv)

@@ -50,12 +50,44 @@ def test_saving_into_a_folder_that_does_not_exist_yet_creates_it(tmp_path):
         ({"turn_id": "t1", "calls": [{"id": "a", "prompt": "p"}]}, "duplicate turn_id 't1'"),
         ({"turn_id": "x", "calls": [{"id": "a", "prompt": "p", "expect_json": True,
                                      "json_schema": {"type": "objekt"}}]}, "calls[0].json_schema: not a JSON schema"),
+        # a $ref the report would meet only when judging an answer (a traceback, and no report)
+        ({"turn_id": "x", "calls": [{"id": "a", "prompt": "p", "expect_json": True, "json_schema": {
+            "type": "object", "properties": {"a": {"$ref": "#/definitions/missing"}}}}]},
+         "calls[0].json_schema: $ref '#/definitions/missing' points nowhere"),
+        # Python's json reads these; an infinite delay hung the replay
+        ('{"turn_id": "x", "calls": [{"id": "a", "prompt": "p", "delay_ms": Infinity}]}', "w.jsonl:2: not valid JSON"),
+        ('{"turn_id": "x", "calls": [{"id": "a", "prompt": "p", "delay_ms": NaN}]}', "w.jsonl:2: not valid JSON"),
+        ('{"turn_id": "x", "calls": [{"id": "a", "prompt": "p", "delay_ms": 1e999}]}', "w.jsonl:2: not valid JSON"),
     ],
 )
 def test_validation_names_line_and_field(tmp_path, turn, message):
     with pytest.raises(WorkloadError, match=".*") as caught:
         load_workload(_write(tmp_path, GOOD, turn))
     assert message in str(caught.value)
+
+
+def test_a_schema_whose_refs_resolve_inside_it_is_taken(tmp_path):
+    schema = {"type": "object", "properties": {"a": {"$ref": "#/$defs/name"}}, "$defs": {"name": {"type": "string"}}}
+    turn = {"turn_id": "x", "calls": [{"id": "a", "prompt": "p", "expect_json": True, "json_schema": schema}]}
+    assert load_workload(_write(tmp_path, turn))[0].calls[0].json_schema == schema
+
+
+def test_nothing_is_saved_that_the_bench_would_refuse(tmp_path):
+    out = tmp_path / "w.jsonl"
+    for turns, message in (([Turn("t", [Call(id="a", prompt="p")]), Turn("t", [Call(id="a", prompt="q")])],
+                            "duplicate turn_id 't'"),
+                           ([Turn("t", [Call(id="a", prompt="")])], "exactly one of"),
+                           ([Turn("t", [Call(id="a", prompt="p", delay_ms=float("inf"))])], "not JSON")):
+        with pytest.raises((WorkloadError, ValueError), match=message):
+            save_workload(turns, out)
+        assert not out.exists()
+
+
+def test_a_file_that_is_not_utf8_is_named(tmp_path):
+    path = tmp_path / "w.jsonl"
+    path.write_bytes(b"\xff\xfe{}")
+    with pytest.raises(WorkloadError, match="is not UTF-8 text"):
+        load_workload(path)
 
 
 def test_missing_and_empty_files(tmp_path):

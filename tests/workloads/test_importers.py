@@ -2,7 +2,9 @@ import json
 import zipfile
 
 import jsonschema
+import pytest
 
+from specstand.workloads import WorkloadError
 from specstand.workloads.importers import DATASETS, import_spec_bench, import_tool_calls, openai_tool
 from tests.drafters.schema_fixtures import COMPLEXFUNCBENCH_SPECS, NESTFUL_ANSWERS, NESTFUL_SPECS
 
@@ -107,3 +109,16 @@ def test_spec_bench(tmp_path):
     path.write_text("\n".join(json.dumps(r) for r in rows))
     sampled = import_spec_bench(path, limit=None, max_prompt_chars=200, max_tokens=32, per_category=1)
     assert [t.turn_id for t in sampled] == ["spec-bench-0", "spec-bench-9"]
+
+
+def test_spec_bench_errors_name_the_line_as_an_editor_counts_it(tmp_path):
+    path = tmp_path / "q.jsonl"
+    good = json.dumps({"question_id": 1, "category": "qa", "turns": ["q"]})
+    path.write_text(good + "\n\n" + '{"question_id": 2, "turns": ["q"' + "\n")  # line 2 blank
+    with pytest.raises(WorkloadError, match=r"q.jsonl:3: not valid JSON"):
+        import_spec_bench(path, limit=None, max_prompt_chars=200, max_tokens=32)
+    path.write_text(good + "\n\n" + json.dumps({"turns": ["q"]}) + "\n")
+    with pytest.raises(WorkloadError, match=r"q.jsonl:3: a Spec-Bench row needs"):
+        import_spec_bench(path, limit=None, max_prompt_chars=200, max_tokens=32)
+    path.write_text(good + "\n" + json.dumps({"question_id": 2, "turns": [""]}) + "\n")  # nothing to ask
+    assert [t.turn_id for t in import_spec_bench(path, None, 200, 32, plain=True)] == ["spec-bench-1"]

@@ -19,7 +19,7 @@ from specstand.models.presets import PRESETS, fetch, preset_dir
 from specstand.runner.compiled import attach_compiled
 from specstand.runner.generic import TransformersModel
 from specstand.runner.hybrid import FAMILIES, HybridModel
-from specstand.runner.transformer import SUPPORTED_ARCHITECTURES, DecoderModel
+from specstand.runner.transformer import SUPPORTED_ARCHITECTURES, DecoderModel, unsupported_parts
 
 TargetModel = DecoderModel | HybridModel | TransformersModel
 
@@ -161,7 +161,8 @@ def target_model(hf_model, max_positions: int, kernel_path: str, log=print, weig
     format q8_0 needs our compiled kernels (KernelsUnavailable otherwise); `kernel_path`: kernels.chosen_path;
     `published`: Q8_0 blocks by transformers name (a preset's GGUF's own), used by the Llama/Qwen forward."""
     arch = type(hf_model).__name__
-    if arch in SUPPORTED_ARCHITECTURES:
+    missing = unsupported_parts(hf_model, max_positions) if arch in SUPPORTED_ARCHITECTURES else ""
+    if arch in SUPPORTED_ARCHITECTURES and not missing:
         decoder = DecoderModel(hf_model, max_positions)
         attach_compiled(decoder, kernel_path, log, weight_format, published)
         return decoder
@@ -171,5 +172,6 @@ def target_model(hf_model, max_positions: int, kernel_path: str, log=print, weig
         return hybrid
     if weight_format != "bf16":
         raise KernelsUnavailable(f"{arch} runs on the transformers module, which takes no {weight_format} weights")
-    log(f"{arch} has no forward of ours: running the transformers module (not exact; the probe decides)")
+    why = f"with {missing}" if missing else "has no forward of ours"
+    log(f"{arch} {why}: running the transformers module (not exact; the probe decides)")
     return TransformersModel(hf_model, max_positions)

@@ -109,6 +109,26 @@ class _AttentionRun:
     bias: torch.Tensor  # [padded rows, length]: 0 where a key is visible, -inf where it is in the future
 
 
+def unsupported_parts(hf_model: torch.nn.Module, max_positions: int) -> str:
+    """What a Llama-family checkpoint has that this forward leaves out ("" where nothing): an o_proj or MLP bias
+    (Llama's attention_bias and mlp_bias), or a sliding window shorter than the context (Mistral's, Qwen's
+    use_sliding_window). Left out, its logits would differ from the model's, drafted or not alike."""
+    cfg = hf_model.config
+    found = []
+    layers = hf_model.model.layers
+    if any(layer.self_attn.o_proj.bias is not None for layer in layers):
+        found.append("a bias on o_proj")
+    if any(getattr(getattr(layer.mlp, name), "bias", None) is not None for layer in layers
+           for name in ("gate_proj", "up_proj", "down_proj")):
+        found.append("MLP biases")
+    kinds = getattr(cfg, "layer_types", None)
+    window = getattr(cfg, "sliding_window", None)
+    windowed = "sliding_attention" in kinds if kinds is not None else window is not None
+    if windowed and window is not None and window < max_positions:
+        found.append(f"a {window}-token sliding window")
+    return " and ".join(found)
+
+
 class DecoderModel:
     """Weights + forward of a decoder-only transformer; stateless apart from the cache it is handed."""
 
@@ -121,6 +141,9 @@ class DecoderModel:
             raise ValueError(
                 f"architecture {arch} is not supported (supported: {', '.join(SUPPORTED_ARCHITECTURES)})"
             )
+        missing = unsupported_parts(hf_model, max_positions)
+        if missing:
+            raise ValueError(f"this {arch} has {missing}, which this forward does not compute")
         cfg = hf_model.config
         inner = hf_model.model
         self.dtype = inner.embed_tokens.weight.dtype

@@ -5,7 +5,16 @@ from __future__ import annotations
 
 import pytest
 import torch
-from transformers import GPTNeoXConfig, GPTNeoXForCausalLM
+from transformers import (
+    GPTNeoXConfig,
+    GPTNeoXForCausalLM,
+    LlamaConfig,
+    LlamaForCausalLM,
+    MistralConfig,
+    MistralForCausalLM,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+)
 
 from specstand import kernels
 from specstand.drafters import Draft, SequenceView, make_drafter
@@ -15,6 +24,7 @@ from specstand.models.loading import target_model
 from specstand.runner import TargetRunner
 from specstand.runner.generic import TransformersModel
 from specstand.runner.hybrid import HybridModel
+from specstand.runner.transformer import DecoderModel
 from tests.conftest import HYBRID_FAMILIES, VOCAB, random_prompts, tiny_hybrid_hf_model
 from tests.runner.test_hybrid import rolled_back_and_clean
 
@@ -42,6 +52,33 @@ def test_unknown_architectures_run_through_the_module_and_known_ones_do_not():
     assert isinstance(model, TransformersModel) and "not exact" in logged[0]
     for family in HYBRID_FAMILIES:
         assert isinstance(target_model(tiny_hybrid_hf_model(family), 512, path, log=logged.append), HybridModel)
+
+
+LLAMA_LIKE = dict(SMALL, num_key_value_heads=2, head_dim=16)
+
+
+@pytest.mark.parametrize(("build", "named"), [
+    (lambda: LlamaForCausalLM(LlamaConfig(**LLAMA_LIKE, attention_bias=True)), "a bias on o_proj"),
+    (lambda: LlamaForCausalLM(LlamaConfig(**LLAMA_LIKE, mlp_bias=True)), "MLP biases"),
+    (lambda: MistralForCausalLM(MistralConfig(**LLAMA_LIKE, sliding_window=8)), "a 8-token sliding window"),
+    (lambda: Qwen2ForCausalLM(Qwen2Config(**LLAMA_LIKE, use_sliding_window=True, sliding_window=8,
+                                          max_window_layers=2)), "a 8-token sliding window"),
+])
+def test_llama_family_parts_our_forward_leaves_out_run_through_the_module(build, named):
+    """Our Llama-family forward computes no o_proj or MLP bias and no sliding window: such a checkpoint ran
+    through it and answered other tokens than the model (drafted or not alike). It runs through the module."""
+    torch.manual_seed(0)
+    hf = build().eval()
+    logged = []
+    assert isinstance(target_model(hf, 512, kernels.chosen_path()[0], log=logged.append), TransformersModel)
+    assert named in logged[0]
+    with pytest.raises(ValueError, match=named):
+        DecoderModel(hf, 512)
+
+
+def test_a_sliding_window_no_context_reaches_is_no_window():
+    hf = MistralForCausalLM(MistralConfig(**LLAMA_LIKE, sliding_window=4096)).eval()  # Mistral-7B-v0.1's
+    assert isinstance(target_model(hf, 512, kernels.chosen_path()[0], log=lambda _: None), DecoderModel)
 
 
 @pytest.mark.parametrize("name", MODELS)

@@ -4,8 +4,9 @@ Two places hold computed heads:
 - the slots: a slot keeps the tokens whose K/V it holds after its request ends (a running slot holds its
   prompt so far), until a new request takes it;
 - the store: finished requests' K/V copied out of their slot in blocks of `block` tokens, each keyed by
-  its tokens and the block before it (vLLM's automatic prefix caching), kept in host memory under a byte
-  budget and dropped least recently used first. An agent's system prompt and tool definitions are the
+  a sha256 of its tokens and the block before it (vLLM's automatic prefix caching; a weak hash would let
+  two heads that collide share K/V, and one user's context reach another's answer), kept in host memory
+  under a byte budget and dropped least recently used first. An agent's system prompt and tool definitions are the
   same for every call it makes, so they outlive the slots that computed them.
 
 Exactness: a position's K/V hold the same bits however they were computed (kv_cache.py), and copies keep
@@ -19,7 +20,9 @@ module cache (the transformers fallback) holds more than K/V per position, so th
 
 from __future__ import annotations
 
+import hashlib
 import os
+from array import array
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
@@ -43,8 +46,7 @@ def default_store_bytes() -> int:
 
 @dataclass
 class _Block:
-    parent: int | None  # key of the block before it (None: the first block)
-    tokens: tuple[int, ...]
+    parent: bytes | None  # key of the block before it (None: the first block)
     keys: torch.Tensor  # [layers, kv_heads, block, head_dim]
     values: torch.Tensor
     taps: dict[int, torch.Tensor] = field(default_factory=dict)  # layer -> [block, hidden]
@@ -66,7 +68,7 @@ class PrefixStore:
         self.block = block
         self.budget_bytes = budget_bytes
         self.nbytes = 0
-        self._blocks: OrderedDict[int, _Block] = OrderedDict()
+        self._blocks: OrderedDict[bytes, _Block] = OrderedDict()
 
     def __len__(self) -> int:
         return len(self._blocks)
@@ -75,30 +77,24 @@ class PrefixStore:
         self._blocks.clear()
         self.nbytes = 0
 
-    def _chain(self, tokens: list[int]) -> list[tuple[int, int | None, tuple[int, ...]]]:
-        """(key, parent key, tokens) of every whole block of `tokens`."""
-        chain, parent = [], None
+    def _chain(self, tokens: list[int]) -> list[bytes]:
+        """The key of every whole block of `tokens`: the digest of the block's tokens after its parent's key,
+        so a key stands for the whole head up to the block's end."""
+        chain, parent = [], b""
         for start in range(0, len(tokens) - self.block + 1, self.block):
-            part = tuple(tokens[start : start + self.block])
-            key = hash((parent, part))
-            chain.append((key, parent, part))
-            parent = key
+            parent = hashlib.sha256(parent + array("q", tokens[start : start + self.block]).tobytes()).digest()
+            chain.append(parent)
         return chain
 
-    def _find(self, key: int, parent: int | None, part: tuple[int, ...]) -> _Block | None:
-        found = self._blocks.get(key)
-        # a hash is not proof: the block must hold these tokens after this parent
-        return found if found is not None and found.parent == parent and found.tokens == part else None
-
-    def _touch(self, keys: list[int]) -> None:
+    def _touch(self, keys: list[bytes]) -> None:
         for key in reversed(keys):
             self._blocks.move_to_end(key)
 
     def lookup(self, tokens: list[int]) -> list[_Block]:
         """The stored blocks that head `tokens`, in order (marked used)."""
         found, keys = [], []
-        for key, parent, part in self._chain(tokens):
-            block = self._find(key, parent, part)
+        for key in self._chain(tokens):
+            block = self._blocks.get(key)
             if block is None:
                 break
             found.append(block)
@@ -109,15 +105,13 @@ class PrefixStore:
     def insert(self, tokens: list[int], cache: KVCache, slot: int, taps: dict[int, torch.Tensor]) -> None:
         """Store the whole blocks of `tokens`, whose K/V are the first positions of `slot` (and whose tapped
         rows are `taps`), that are not stored yet; then evict down to the budget."""
-        keys = []
-        for index, (key, parent, part) in enumerate(self._chain(tokens)):
-            keys.append(key)
-            if self._find(key, parent, part) is not None:
+        keys = self._chain(tokens)
+        for index, key in enumerate(keys):
+            if key in self._blocks:
                 continue
-            if key in self._blocks:  # a hash collision: the newer block replaces the older
-                self._drop(key)
             span = slice(index * self.block, (index + 1) * self.block)
-            block = _Block(parent, part, cache.keys[:, slot, :, span].clone(), cache.values[:, slot, :, span].clone(),
+            block = _Block(keys[index - 1] if index else None, cache.keys[:, slot, :, span].clone(),
+                           cache.values[:, slot, :, span].clone(),
                            {layer: rows[span].clone() for layer, rows in taps.items()})
             self._blocks[key] = block
             self.nbytes += block.nbytes
@@ -125,7 +119,7 @@ class PrefixStore:
         while self.nbytes > self.budget_bytes and self._blocks:
             self._drop(next(iter(self._blocks)))
 
-    def _drop(self, key: int) -> None:
+    def _drop(self, key: bytes) -> None:
         self.nbytes -= self._blocks.pop(key).nbytes
 
 

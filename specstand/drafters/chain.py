@@ -164,7 +164,6 @@ class ChainDrafter(Drafter):
         tokens, taps, positions, sizes = [], [], [], []
         for seq in behind:
             rows, rows_taps = join_rows(self._pending[seq.request_id], self.tap_layers)
-            self._pending[seq.request_id].clear()
             positions.append(rows)
             taps.append(rows_taps)
             tokens.append(torch.tensor(seq.token_ids[int(rows[0]) + 1 : int(rows[-1]) + 2]))
@@ -173,7 +172,8 @@ class ChainDrafter(Drafter):
         out, (k, v) = self.model.step_segments(torch.cat(tokens), self.model.features(torch.cat(taps)),
                                                torch.cat(positions), pasts, sizes)
         end = 0
-        for seq, past, size in zip(behind, pasts, sizes, strict=True):
+        for seq, past, size in zip(behind, pasts, sizes, strict=True):  # rows leave pending once computed
+            self._pending[seq.request_id].clear()
             self._past[seq.request_id] = append_keys_values(past, (k[:, end : end + size], v[:, end : end + size]))
             end += size
             self._last[seq.request_id] = out[end - 1 : end]

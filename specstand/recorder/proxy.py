@@ -26,7 +26,7 @@ import os
 import queue
 import threading
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -65,7 +65,7 @@ class _TurnLog:
     seen: set[str] = field(default_factory=set)
     in_flight: int = 0
     last_activity: float = field(default_factory=time.monotonic)
-    began: float = field(default_factory=time.time)  # when its first call came
+    began: float = 0.0  # when its first call came (the recording's clock)
 
 
 class TurnWriter:
@@ -93,9 +93,11 @@ class TurnWriter:
 
 
 class Recording:
-    def __init__(self, writer: TurnWriter, turn_idle_s: float) -> None:
+    def __init__(self, writer: TurnWriter, turn_idle_s: float, clock: Callable[[], float] = time.time) -> None:
+        """`clock`: what calls' starts and ends are read from (a test's own, to time them exactly)."""
         self.writer = writer
         self.turn_idle_s = turn_idle_s
+        self.clock = clock
         self.turns: dict[str, _TurnLog] = {}
         self._taken = _turn_ids(writer.out)  # every turn id the file holds
         self._anonymous = 0
@@ -106,7 +108,9 @@ class Recording:
         if not turn_id:
             self._anonymous += 1
             turn_id = f"turn-{self._run}-{self._anonymous}"
-        turn = self.turns.setdefault(turn_id, _TurnLog(turn_id))
+        turn = self.turns.get(turn_id)
+        if turn is None:
+            turn = self.turns[turn_id] = _TurnLog(turn_id, began=self.clock())
         turn.in_flight += 1
         turn.last_activity = time.monotonic()
         return turn
@@ -180,10 +184,11 @@ class Recording:
         self.writer.put(turn)
 
 
-def create_recorder(upstream: str, out: Path, turn_idle_s: float = 30.0, timeout_s: float = 600.0) -> FastAPI:
+def create_recorder(upstream: str, out: Path, turn_idle_s: float = 30.0, timeout_s: float = 600.0,
+                    clock: Callable[[], float] = time.time) -> FastAPI:
     client = httpx.AsyncClient(base_url=upstream.rstrip("/"), timeout=timeout_s)
     writer = TurnWriter(out)
-    recording = Recording(writer, turn_idle_s)
+    recording = Recording(writer, turn_idle_s, clock)
     proxy = _Proxy(client, upstream, recording)
 
     @asynccontextmanager
@@ -256,7 +261,7 @@ class _Proxy:
         if not isinstance(body, dict):
             return _error(400, "body must be a JSON object", "invalid_request_error")
         turn = self.recording.turn_for(request.headers)
-        start = time.time()
+        start = self.recording.clock()
         stream = bool(body.get("stream"))
         outgoing = self.client.build_request("POST", path, json=body, headers=forwarded_headers(request.headers))
         reply = await self.send(outgoing, stream=stream)
@@ -279,7 +284,7 @@ class _Proxy:
         choice = _first_choice(reply.json()["choices"])
         answer = choice["message"].get("content") if chat else choice["text"]
         calls = [_call_of(c) for c in (choice["message"].get("tool_calls") or [])] if chat else []
-        self.recording.add(turn, body, incoming, start, time.time(), answer or "", calls)
+        self.recording.add(turn, body, incoming, start, self.recording.clock(), answer or "", calls)
 
     async def _stream(self, reply: httpx.Response, body: dict, chat: bool, turn: _TurnLog, incoming,
                       start: float) -> Response:
@@ -306,7 +311,7 @@ class _Proxy:
         finally:
             await reply.aclose()
             if complete:
-                self.recording.add(turn, body, incoming, start, time.time(), "".join(answer.parts),
+                self.recording.add(turn, body, incoming, start, self.recording.clock(), "".join(answer.parts),
                                    answer.tool_calls())
             self.recording.done(turn)
 

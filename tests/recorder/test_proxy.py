@@ -37,23 +37,37 @@ def _stop(*servers):
         server.thread.join(timeout=20)
 
 
-def _upstream():
+def _upstream(held: threading.Event | None = None, arrived: threading.Event | None = None):
+    """An echoing upstream; a call whose message is "slow" tells `arrived` and waits for `held` to be set."""
     app = FastAPI()
 
     @app.post("/v1/chat/completions")
     async def chat(body: dict):
-        await asyncio.sleep(1.0 if body["messages"][-1]["content"] == "slow" else 0.1)
         last = body["messages"][-1]["content"]
+        if last == "slow":
+            arrived.set()
+            await asyncio.to_thread(held.wait, 30)
         return {"choices": [{"index": 0, "message": {"role": "assistant", "content": f"echo {last}"},
                              "finish_reason": "stop"}], "usage": {"completion_tokens": 2}}
 
     return app
 
 
+class _Clock:
+    """The recording's clock, moved by the test: the recorded delays are exact however busy the host is."""
+
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
 def test_recorded_calls_keep_their_dependencies_and_pauses(tmp_path):
     upstream, upstream_url = _serve(_upstream())
     out = tmp_path / "recorded.jsonl"
-    recorder, url = _serve(create_recorder(upstream_url, out))
+    clock = _Clock()
+    recorder, url = _serve(create_recorder(upstream_url, out, clock=clock))
     try:
         def call(content, call_id, **headers):
             body = {"model": "m", "messages": [{"role": "user", "content": content}], "max_tokens": 7,
@@ -62,7 +76,7 @@ def test_recorded_calls_keep_their_dependencies_and_pauses(tmp_path):
                               headers={"X-Turn-Id": "t1", "X-Call-Id": call_id, **headers})
 
         assert call("plan", "plan").json()["choices"][0]["message"]["content"] == "echo plan"
-        time.sleep(0.2)  # the agent thinks for 200 ms
+        clock.now += 0.2  # the agent thinks for 200 ms
         with_parents = call("search", "search", **{"X-Parent-Call-Ids": "plan", "X-Stage": "tool"})
         assert with_parents.status_code == 200
         call("answer", "answer")  # no parent header: depends on everything finished before it
@@ -76,16 +90,18 @@ def test_recorded_calls_keep_their_dependencies_and_pauses(tmp_path):
     calls = {c.id: c for c in turns["t1"].calls}
     assert list(calls) == ["plan", "search", "answer"]
     assert calls["search"].depends_on == ["plan"] and calls["search"].stage == "tool"
-    assert 150 <= calls["search"].delay_ms <= 400
+    assert calls["search"].delay_ms == 200.0
     assert calls["answer"].depends_on == ["plan", "search"]
     assert calls["plan"].expect_json and calls["plan"].max_tokens == 7
     assert calls["plan"].recorded["answer"] == "echo plan"
 
 
 def test_a_call_sent_while_the_others_run_keeps_its_offset_from_the_turns_start(tmp_path):
-    upstream, upstream_url = _serve(_upstream())
+    held, arrived = threading.Event(), threading.Event()
+    upstream, upstream_url = _serve(_upstream(held, arrived))
     out = tmp_path / "recorded.jsonl"
-    recorder, url = _serve(create_recorder(upstream_url, out))
+    clock = _Clock()
+    recorder, url = _serve(create_recorder(upstream_url, out, clock=clock))
 
     def call(content):
         body = {"model": "m", "messages": [{"role": "user", "content": content}]}
@@ -94,16 +110,19 @@ def test_a_call_sent_while_the_others_run_keeps_its_offset_from_the_turns_start(
 
     try:
         with ThreadPoolExecutor(2) as pool:
-            slow = pool.submit(call, "slow")  # 1 s upstream
-            time.sleep(0.3)
+            slow = pool.submit(call, "slow")
+            assert arrived.wait(30)  # "slow" is in flight, held upstream
+            clock.now += 0.3
             pool.submit(call, "later").result()  # sent while "slow" runs: it depends on nothing
+            held.set()
             slow.result()
     finally:
+        held.set()
         _stop(recorder, upstream)
     calls = {c.id: c for c in load_workload(out)[0].calls}
     assert calls["later"].depends_on == [] and calls["slow"].depends_on == []
-    assert 250 <= calls["later"].delay_ms <= 900  # replayed 0.3 s into the turn, not with "slow"
-    assert calls["slow"].delay_ms < 100
+    assert calls["later"].delay_ms == 300.0  # replayed 0.3 s into the turn, not with "slow"
+    assert calls["slow"].delay_ms == 0.0
 
 
 TOKEN = "Bearer s3cret"

@@ -99,6 +99,8 @@ def main() -> None:
     parser.add_argument("--gap-ms", type=float, default=20.0, help="pause before each call")
     parser.add_argument("--out", type=Path, help="also write the report here")
     args = parser.parse_args()
+    if any(case.split(":")[0] == "attn-512" for case in args.cases.split(",")) and args.length < 512:
+        parser.error("attn-512 is a 512-row chunk ending at --length: give --length >= 512")
     from specstand import kernels
 
     say = Printed()

@@ -25,6 +25,8 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=128, help="answer budget cap per call")
     parser.add_argument("--out", type=Path, required=True, help="workload file (JSON Lines) to write")
     args = parser.parse_args()
+    if args.max_tokens < 1 or args.turns < 1:
+        parser.error("--max-tokens and --turns must be >= 1")
     turns = [turn for source in SOURCES for turn in heldout_turns(source, args.turns, args.max_tokens)]
     save_workload(turns, args.out)
     calls = sum(len(turn.calls) for turn in turns)

@@ -184,6 +184,8 @@ class SuffixTree:
             candidate = self._grow(cursor, min(max_tokens, int(m * max_spec_factor)), min_prob, keep)
             if candidate.score > best.score:
                 best = candidate
+                if best.score >= max_tokens:  # every token certain: no longer match can score higher
+                    break
         return best
 
     def _walk(self, path: list[int]) -> Cursor | None:
@@ -306,10 +308,12 @@ class SuffixDrafter(Drafter):
             return Draft([])
         context = seq.token_ids[-self.config.max_depth :]
         cfg = self.config
-        local = self._local[seq.request_id].best_draft(context, max_tokens, cfg.min_token_prob,
-                                                       cfg.max_spec_factor, keep)
-        shared = self.global_tree.best_draft(context, max_tokens, cfg.min_token_prob, cfg.max_spec_factor, keep)
-        best = max(local, shared, key=lambda candidate: candidate.score)
+        best = self._local[seq.request_id].best_draft(context, max_tokens, cfg.min_token_prob,
+                                                      cfg.max_spec_factor, keep)
+        if best.score < max_tokens:  # else the answers' tree cannot score higher (and a tie keeps the request's)
+            shared = self.global_tree.best_draft(context, max_tokens, cfg.min_token_prob, cfg.max_spec_factor,
+                                                 keep)
+            best = max(best, shared, key=lambda candidate: candidate.score)
         return Draft(best.tokens, confidence=best.probs)
 
     def extend(self, seq: SequenceView, new_tokens: list[int], hidden: HiddenRows | None = None) -> None:

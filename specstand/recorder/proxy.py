@@ -4,9 +4,9 @@ Point the agent's OpenAI base URL at the proxy. Calls are grouped into turns by 
 (or `X-Session-Id`); `X-Call-Id` names a call, `X-Parent-Call-Ids` (comma-separated) lists the calls it
 depends on, `X-Stage` labels it. Without parent headers a call depends on the calls of its turn that had
 finished before it started, which reproduces what ran in parallel. `delay_ms` is the pause between the
-end of its dependencies and its start; for a call without any, between the turn's first call and its start
-(as the replay reads it), so a call sent while the others were still running starts as late again. A
-retried identical request within a turn is recorded once.
+end of its dependencies and its start; for a call without any, between the turn's first recorded call and
+its start (as the replay reads it), so a call sent while the others were still running starts as late again.
+A retried identical request within a turn is recorded once.
 
 The proxy is transparent: the client's end-to-end headers (Authorization included, never recorded) go
 upstream, and the upstream's status and error body come back as they were, streaming or not (502 when
@@ -28,7 +28,7 @@ import threading
 import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import httpx
@@ -65,7 +65,6 @@ class _TurnLog:
     seen: set[str] = field(default_factory=set)
     in_flight: int = 0
     last_activity: float = field(default_factory=time.monotonic)
-    began: float = 0.0  # when its first call came (the recording's clock)
 
 
 class TurnWriter:
@@ -108,9 +107,7 @@ class Recording:
         if not turn_id:
             self._anonymous += 1
             turn_id = f"turn-{self._run}-{self._anonymous}"
-        turn = self.turns.get(turn_id)
-        if turn is None:
-            turn = self.turns[turn_id] = _TurnLog(turn_id, began=self.clock())
+        turn = self.turns.setdefault(turn_id, _TurnLog(turn_id))
         turn.in_flight += 1
         turn.last_activity = time.monotonic()
         return turn
@@ -135,7 +132,8 @@ class Recording:
         else:
             depends_on = [r.call.id for r in turn.calls if r.end <= start]
         ends = [r.end for r in turn.calls if r.call.id in depends_on]
-        delay_ms = max(0.0, (start - max(ends, default=turn.began)) * 1000)
+        # a call without dependencies is timed from the turn's first recorded call when the turn is written
+        delay_ms = max(0.0, (start - max(ends)) * 1000) if ends else 0.0
         fmt = body.get("response_format") or {}
         schema = (fmt.get("json_schema") or {}).get("schema") if fmt.get("type") == "json_schema" else None
         call = Call(
@@ -174,7 +172,10 @@ class Recording:
         while turn_id in self._taken:
             part += 1
             turn_id = f"{log.turn_id}#{part}"
-        turn = Turn(turn_id, [r.call for r in log.calls], "recorded")
+        first = min(r.start for r in log.calls)  # requests never recorded (a failed try, a cut stream) do not count
+        calls = [r.call if r.call.depends_on else replace(r.call, delay_ms=round((r.start - first) * 1000, 1))
+                 for r in log.calls]
+        turn = Turn(turn_id, calls, "recorded")
         try:
             parse_turn(json.loads(turn.to_json()), f"recorded turn {turn_id}")
         except WorkloadError as error:  # never write what `bench` would refuse to load

@@ -44,6 +44,8 @@ def _upstream(held: threading.Event | None = None, arrived: threading.Event | No
     @app.post("/v1/chat/completions")
     async def chat(body: dict):
         last = body["messages"][-1]["content"]
+        if last == "busy":
+            return JSONResponse({"error": {"message": "try later"}}, 503)
         if last == "slow":
             arrived.set()
             await asyncio.to_thread(held.wait, 30)
@@ -123,6 +125,23 @@ def test_a_call_sent_while_the_others_run_keeps_its_offset_from_the_turns_start(
     assert calls["later"].depends_on == [] and calls["slow"].depends_on == []
     assert calls["later"].delay_ms == 300.0  # replayed 0.3 s into the turn, not with "slow"
     assert calls["slow"].delay_ms == 0.0
+
+
+def test_a_turns_failed_first_try_adds_no_delay_to_the_call_recorded(tmp_path):
+    """A request the upstream refused is not recorded: the retry that is starts the turn, 10 s of back-off or not."""
+    upstream, upstream_url = _serve(_upstream())
+    out = tmp_path / "recorded.jsonl"
+    clock = _Clock()
+    recorder, url = _serve(create_recorder(upstream_url, out, clock=clock))
+    try:
+        for content in ("busy", "again"):
+            body = {"model": "m", "messages": [{"role": "user", "content": content}]}
+            httpx.post(f"{url}/v1/chat/completions", json=body, timeout=30, headers={"X-Turn-Id": "t"})
+            clock.now += 10
+    finally:
+        _stop(recorder, upstream)
+    (call,) = load_workload(out)[0].calls
+    assert call.recorded["answer"] == "echo again" and call.delay_ms == 0.0
 
 
 TOKEN = "Bearer s3cret"

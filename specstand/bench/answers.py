@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import re
 
 import jsonschema
@@ -24,9 +25,17 @@ def _not_json(constant: str) -> object:
     raise ValueError(f"{constant} is not JSON")
 
 
+def _finite(number: str) -> float:
+    value = float(number)
+    if math.isinf(value):
+        raise ValueError(f"{number} is past a double's range")
+    return value
+
+
 def _strict_loads(text: str) -> object:
-    """JSON as the agent's parser reads it: Python's would also take NaN and Infinity."""
-    return json.loads(text, parse_constant=_not_json)
+    """JSON as the server's tool-call parser reads it (server/tool_calls.py): Python's json also takes NaN,
+    Infinity and 1e999, which no strict parser gives back as a number."""
+    return json.loads(text, parse_constant=_not_json, parse_float=_finite)
 
 
 def json_is_broken(text: str, schema: dict | None) -> bool:
@@ -57,7 +66,9 @@ def tool_call_is_broken(tool_call: dict, offered: frozenset[str]) -> bool:
 def tool_call_required(call: Call) -> bool:
     """The call offered tools and required the answer to call one: tool_choice "required" or a named function
     (OpenAI's {"type": "function", "function": {"name": ...}})."""
-    return bool(call.tools) and (call.tool_choice == "required" or isinstance(call.tool_choice, dict))
+    choice = call.tool_choice
+    named = isinstance(choice, dict) and choice.get("type") == "function"  # not {"type": "allowed_tools", ...}
+    return bool(call.tools) and (choice == "required" or named)
 
 
 def answer_is_judged(record: CallRecord, call: Call) -> bool:

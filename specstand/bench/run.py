@@ -248,7 +248,7 @@ def _stop(process: subprocess.Popen, whole_session: bool) -> None:
 def _session_alive(pid: int) -> bool:
     try:
         os.killpg(pid, 0)
-    except ProcessLookupError:
+    except (ProcessLookupError, PermissionError):  # gone, or its id now another user's group
         return False
     return True
 

@@ -230,8 +230,9 @@ def _bench_methods(args: argparse.Namespace) -> tuple[list[str], list[tuple[str,
     from specstand.bench.run import FIXED, bench_method
 
     methods = list(dict.fromkeys(bench_method(m) for value in args.method for m in value.split(",") if m))
-    if args.fixed:
-        methods += [f"{m}{FIXED}" for m in methods if m != "none" and not m.endswith(FIXED)]
+    if args.fixed:  # "suffix,suffix@fixed --fixed" names suffix@fixed once
+        fixed = [f"{m}{FIXED}" for m in methods if m != "none" and not m.endswith(FIXED)]
+        methods = list(dict.fromkeys(methods + fixed))
     configured = []
     for text in args.speculative_config:  # two configurations that differ past method and K get #2, #3, ...
         name = _config_target_name(text)

@@ -443,4 +443,4 @@ def forced_text(reader: AnswerReader, max_chars: int) -> Forced:
 def _item_count(schema: dict, bound: str) -> int | None:
     """An array's minItems or maxItems where it is a count (tools' schemas come from clients: "2" is none)."""
     value = schema.get(bound)
-    return value if isinstance(value, int) and not isinstance(value, bool) else None
+    return value if isinstance(value, int) and not isinstance(value, bool) and value >= 0 else None

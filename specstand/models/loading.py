@@ -171,7 +171,8 @@ def target_model(hf_model, max_positions: int, kernel_path: str, log=print, weig
         hybrid.attach_kernels(kernel_path, log, weight_format)
         return hybrid
     if weight_format != "bf16":
-        raise KernelsUnavailable(f"{arch} runs on the transformers module, which takes no {weight_format} weights")
+        raise ValueError(f"{arch}{f' with {missing}' if missing else ''} runs on the transformers module, which "
+                         f"takes no {weight_format} weights (bf16 or fp32 only)")
     why = f"with {missing}" if missing else "has no forward of ours"
     log(f"{arch} {why}: running the transformers module (not exact; the probe decides)")
     return TransformersModel(hf_model, max_positions)

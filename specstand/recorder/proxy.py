@@ -321,7 +321,7 @@ def _turn_ids(path: Path) -> set[str]:
     """Turn ids already in the file (recording again appends)."""
     ids: set[str] = set()
     try:
-        lines = path.read_text(encoding="utf-8").splitlines()
+        lines = path.read_text(encoding="utf-8").split("\n")  # not at U+2028 and the like, which answers hold
     except OSError:
         return ids
     for line in lines:

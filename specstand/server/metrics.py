@@ -33,7 +33,8 @@ class ServerMetrics:
         self.emitted_tokens = counter("specstand:emitted_tokens", "Tokens emitted by the engine.")
         self.cached_prompt_tokens = counter("specstand:cached_prompt_tokens", "Prompt positions reused from cache.")
         # vLLM's prefix-cache names (tokens queried and found), so the stand reads specstand and vLLM alike
-        self.prompt_tokens = counter("vllm:prompt_tokens", "Prompt tokens of finished requests.")
+        self.prompt_tokens = counter("vllm:prompt_tokens",
+                                     "Prompt tokens of requests that ended (finished, failed, cancelled once begun).")
         self.prefix_queries = counter("vllm:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.")
         self.prefix_hits = counter("vllm:prefix_cache_hits", "Prompt tokens found in the prefix cache.")
         self.store_hits = counter("specstand:prefix_store_hits", "Prompt tokens copied from the prefix store (the "
@@ -44,7 +45,8 @@ class ServerMetrics:
         self.engine_seconds = counter("specstand:engine_seconds", "The engine thread's seconds by phase: prompt "
                                       "and decode/verify passes (a pass split by its rows), drafting, other "
                                       "engine work, idle (waiting for requests).", ("phase",))
-        self.requests = counter("specstand:requests", "Finished requests by outcome.", ("outcome",))
+        self.requests = counter("specstand:requests", "Requests that ended, by outcome (finished, failed, cancelled).",
+                                ("outcome",))
         self.tau = Gauge("specstand:tau", "Emitted tokens per target pass over all passes (cumulative).", labels,
                          registry=r)
         self.waiting = Gauge("specstand:requests_waiting", "Requests queued or running.", labels, registry=r)

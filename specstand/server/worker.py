@@ -59,7 +59,7 @@ class EngineWorker:
         self._ids = itertools.count()
         self._stopped = False
         self._thread = threading.Thread(target=self._run, name="specstand-engine", daemon=True)
-        self._progress = time.monotonic()  # when the engine last finished a step or went idle
+        self._progress = time.monotonic()  # when the engine last finished a step, went idle, or work came to it
         self._crash = ""
         self._idle_since: float | None = None  # when the engine thread began waiting for work (None: busy)
 

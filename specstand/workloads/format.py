@@ -21,9 +21,9 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import jsonschema
 from referencing import Registry, Resource
@@ -31,6 +31,9 @@ from referencing.exceptions import Unresolvable
 from referencing.jsonschema import DRAFT202012
 
 from specstand.files import write_text_atomic
+
+if TYPE_CHECKING:
+    from referencing._core import Resolver  # what Registry.resolver returns (not exported by name)
 
 _SCHEMA_URI = "urn:specstand:json-schema"  # the name a call's schema goes by while its $refs are looked up
 
@@ -151,25 +154,27 @@ def _check_json_schemas(turn: Turn, where: str) -> None:
 
 
 def _unresolved_ref(schema: dict) -> str | None:
-    resolver = Registry().with_resource(_SCHEMA_URI, Resource.from_contents(
-        schema, default_specification=DRAFT202012)).resolver(_SCHEMA_URI)
-    for ref in _refs(schema):
+    """The first `$ref` of `schema` that does not resolve inside it. Only schema positions are read (a
+    "$ref" inside `default` or `enum` is data), each against its own base (`$id`s, nested ones too)."""
+    root = Resource.from_contents(schema, default_specification=DRAFT202012)
+    base = root.id() or _SCHEMA_URI
+    resolver = Registry().with_resource(base, root).resolver(base)
+    return _first_unresolved(resolver, root)
+
+
+def _first_unresolved(resolver: Resolver, resource: Resource) -> str | None:
+    contents = resource.contents
+    ref = contents.get("$ref") if isinstance(contents, dict) else None
+    if isinstance(ref, str):
         try:
             resolver.lookup(ref)
         except Unresolvable:
             return ref
+    for sub in resource.subresources():
+        found = _first_unresolved(resolver.in_subresource(sub), sub)
+        if found is not None:
+            return found
     return None
-
-
-def _refs(value: object) -> Iterator[str]:
-    if isinstance(value, dict):
-        if isinstance(value.get("$ref"), str):
-            yield value["$ref"]
-        for item in value.values():
-            yield from _refs(item)
-    elif isinstance(value, list):
-        for item in value:
-            yield from _refs(item)
 
 
 def _finite_number(text: str) -> float:
@@ -213,7 +218,8 @@ def _check_graph(turn: Turn, where: str) -> None:
 def load_workload(path: str | Path) -> list[Turn]:
     path = Path(path)
     try:
-        lines = path.read_text(encoding="utf-8").splitlines()
+        # "\n" only: splitlines() also breaks at U+2028 and the like, which a turn's text may hold as written
+        lines = path.read_text(encoding="utf-8").split("\n")
     except OSError as error:
         raise WorkloadError(f"cannot read workload {path}: {error.strerror}") from None
     except UnicodeDecodeError:

@@ -179,12 +179,12 @@ def import_spec_bench(path: Path, limit: int | None, max_prompt_chars: int, max_
 def _jsonl(path: Path) -> Iterator[tuple[int, object]]:
     """Each non-blank line's number (as an editor counts them) and JSON value."""
     try:
-        lines = path.read_text(encoding="utf-8").splitlines()
+        lines = path.read_text(encoding="utf-8").split("\n")  # as an editor counts (not at U+2028 and the like)
     except UnicodeDecodeError:
         raise WorkloadError(f"{path} is not UTF-8 text") from None
     for number, line in enumerate(lines, start=1):
         if line.strip():
             try:
                 yield number, json.loads(line)
-            except ValueError as error:
+            except (ValueError, RecursionError) as error:
                 raise WorkloadError(f"{path}:{number}: not valid JSON ({error})") from None

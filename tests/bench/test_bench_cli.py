@@ -98,6 +98,8 @@ def test_users_given_twice_are_one_user_count_and_configs_alike_get_their_own_na
     from specstand.cli.stand import _bench_methods, _parse_users
 
     assert _parse_users("1,4,1") == [1, 4]  # "1,1" summarised every run twice
+    given = SimpleNamespace(method=["suffix,suffix@fixed"], fixed=True, model="m", endpoint=[], speculative_config=[])
+    assert _bench_methods(given)[0] == ["suffix", "suffix@fixed"]  # --fixed adds none twice
     config = '{"method": "ngram", "num_speculative_tokens": 5, "prompt_lookup_max": %d}'
     args = SimpleNamespace(method=[], fixed=False, model="m", endpoint=["peer=http://127.0.0.1:9"],
                            speculative_config=[config % 3, config % 4, config % 5])

@@ -163,6 +163,10 @@ def test_tool_calls_are_judged_and_compared():
         required = [Turn(t.turn_id, [replace(t.calls[0], tool_choice=choice)]) for t in workload]
         judged = summarize([_tool_run("none", [good, None, None, good], text="hello")], required, "none")
         assert judged["none"][1][0]["broken_json"] == 0.5
+    # a dict that allows tools without requiring one (OpenAI's allowed_tools, mode auto) leaves text unjudged
+    allowed = [Turn(t.turn_id, [replace(t.calls[0], tool_choice={"type": "allowed_tools", "mode": "auto"})])
+               for t in workload]
+    assert summarize([_tool_run("none", [None] * 4, text="hi")], allowed, "none")["none"][1][0]["broken_json"] is None
 
 
 def test_the_breakdown_says_how_much_decoding_could_give_at_most():

@@ -158,6 +158,14 @@ def test_odd_tool_schemas_from_a_client_draft_without_raising(parameters, answer
     assert forced_after("{", _tool(parameters)) == '"name": "f", "arguments": {'
 
 
+def test_array_bounds_that_are_no_counts_force_nothing():
+    def array(**bounds):
+        return _tool({"type": "object", "properties": {"xs": {"type": "array", "items": {"type": "string"}, **bounds}}})
+
+    assert forced_after('{"name": "f", "arguments": {"xs": [', array(minItems=1)) == '"'  # an item must come
+    assert forced_after('{"name": "f", "arguments": {"xs": [', array(minItems=-1)) == ""  # -1 forced one too
+
+
 @pytest.mark.parametrize("prompt", [
     '[{"a": ' + "[" * 5000 + "]" * 5000 + "}]",  # nested past Python's recursion limit
     "<tools>\n" + "[" * 5000 + "]" * 5000 + "\n</tools>",

@@ -74,6 +74,8 @@ def test_llama_family_parts_our_forward_leaves_out_run_through_the_module(build,
     assert named in logged[0]
     with pytest.raises(ValueError, match=named):
         DecoderModel(hf, 512)
+    with pytest.raises(ValueError, match=f"with {named} runs on the transformers module, which takes no q8_0"):
+        target_model(hf, 512, kernels.chosen_path()[0], log=logged.append, weight_format="q8_0")
 
 
 def test_a_sliding_window_no_context_reaches_is_no_window():

@@ -66,8 +66,19 @@ def test_validation_names_line_and_field(tmp_path, turn, message):
     assert message in str(caught.value)
 
 
-def test_a_schema_whose_refs_resolve_inside_it_is_taken(tmp_path):
-    schema = {"type": "object", "properties": {"a": {"$ref": "#/$defs/name"}}, "$defs": {"name": {"type": "string"}}}
+@pytest.mark.parametrize("schema", [
+    {"type": "object", "properties": {"a": {"$ref": "#/$defs/name"}}, "$defs": {"name": {"type": "string"}}},
+    # "$ref" in data (a default, an enum value) is no reference
+    {"type": "object", "properties": {"link": {"type": "object", "default": {"$ref": "#/nowhere"}}}},
+    {"enum": [{"$ref": "pointer"}]},
+    # refs resolve against their own base: the schema's $id, a nested $id
+    {"$id": "https://example.com/root.json", "$defs": {"a": {"type": "string"}},
+     "properties": {"x": {"$ref": "root.json#/$defs/a"}}},
+    {"$defs": {"n": {"$id": "https://example.com/n.json", "$defs": {"s": {"type": "string"}},
+                     "properties": {"y": {"$ref": "#/$defs/s"}}}},
+     "properties": {"x": {"$ref": "https://example.com/n.json"}}},
+])
+def test_a_schema_whose_refs_resolve_inside_it_is_taken(tmp_path, schema):
     turn = {"turn_id": "x", "calls": [{"id": "a", "prompt": "p", "expect_json": True, "json_schema": schema}]}
     assert load_workload(_write(tmp_path, turn))[0].calls[0].json_schema == schema
 
@@ -81,6 +92,13 @@ def test_nothing_is_saved_that_the_bench_would_refuse(tmp_path):
         with pytest.raises((WorkloadError, ValueError), match=message):
             save_workload(turns, out)
         assert not out.exists()
+
+
+def test_a_turn_whose_text_holds_line_separators_loads_as_saved(tmp_path):
+    """A turn's text may hold U+2028, U+2029 or U+0085 as written; only "\\n" ends a line."""
+    turns = [Turn("t", [Call(id="a", prompt="one\u2028two\u2029three\x85four")])]
+    save_workload(turns, tmp_path / "w.jsonl")
+    assert load_workload(tmp_path / "w.jsonl") == turns
 
 
 def test_a_file_that_is_not_utf8_is_named(tmp_path):

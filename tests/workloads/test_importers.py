@@ -120,5 +120,8 @@ def test_spec_bench_errors_name_the_line_as_an_editor_counts_it(tmp_path):
     path.write_text(good + "\n\n" + json.dumps({"turns": ["q"]}) + "\n")
     with pytest.raises(WorkloadError, match=r"q.jsonl:3: a Spec-Bench row needs"):
         import_spec_bench(path, limit=None, max_prompt_chars=200, max_tokens=32)
+    path.write_text(good + "\n" + "[" * 3000 + "\n")  # nested past Python's stack: one line too
+    with pytest.raises(WorkloadError, match=r"q.jsonl:2: not valid JSON"):
+        import_spec_bench(path, limit=None, max_prompt_chars=200, max_tokens=32)
     path.write_text(good + "\n" + json.dumps({"question_id": 2, "turns": [""]}) + "\n")  # nothing to ask
     assert [t.turn_id for t in import_spec_bench(path, None, 200, 32, plain=True)] == ["spec-bench-1"]

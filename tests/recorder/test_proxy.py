@@ -65,11 +65,16 @@ class _Clock:
         return self.now
 
 
-def test_recorded_calls_keep_their_dependencies_and_pauses(tmp_path):
-    upstream, upstream_url = _serve(_upstream())
-    out = tmp_path / "recorded.jsonl"
-    clock = _Clock()
+def _recording(tmp_path, upstream_app):
+    """The upstream and a recorder in front of it on a clock of the test's: (upstream, recorder, url, out, clock)."""
+    upstream, upstream_url = _serve(upstream_app)
+    out, clock = tmp_path / "recorded.jsonl", _Clock()
     recorder, url = _serve(create_recorder(upstream_url, out, clock=clock))
+    return upstream, recorder, url, out, clock
+
+
+def test_recorded_calls_keep_their_dependencies_and_pauses(tmp_path):
+    upstream, recorder, url, out, clock = _recording(tmp_path, _upstream())
     try:
         def call(content, call_id, **headers):
             body = {"model": "m", "messages": [{"role": "user", "content": content}], "max_tokens": 7,
@@ -100,10 +105,7 @@ def test_recorded_calls_keep_their_dependencies_and_pauses(tmp_path):
 
 def test_a_call_sent_while_the_others_run_keeps_its_offset_from_the_turns_start(tmp_path):
     held, arrived = threading.Event(), threading.Event()
-    upstream, upstream_url = _serve(_upstream(held, arrived))
-    out = tmp_path / "recorded.jsonl"
-    clock = _Clock()
-    recorder, url = _serve(create_recorder(upstream_url, out, clock=clock))
+    upstream, recorder, url, out, clock = _recording(tmp_path, _upstream(held, arrived))
 
     def call(content):
         body = {"model": "m", "messages": [{"role": "user", "content": content}]}
@@ -129,10 +131,7 @@ def test_a_call_sent_while_the_others_run_keeps_its_offset_from_the_turns_start(
 
 def test_a_turns_failed_first_try_adds_no_delay_to_the_call_recorded(tmp_path):
     """A request the upstream refused is not recorded: the retry that is starts the turn, 10 s of back-off or not."""
-    upstream, upstream_url = _serve(_upstream())
-    out = tmp_path / "recorded.jsonl"
-    clock = _Clock()
-    recorder, url = _serve(create_recorder(upstream_url, out, clock=clock))
+    upstream, recorder, url, out, clock = _recording(tmp_path, _upstream())
     try:
         for content in ("busy", "again"):
             body = {"model": "m", "messages": [{"role": "user", "content": content}]}

@@ -9,33 +9,15 @@ from __future__ import annotations
 
 import contextlib
 import json
-import math
 import re
 
 import jsonschema
 
 from specstand.bench.replay import CallRecord
-from specstand.server.tool_calls import offered_tool_names
+from specstand.server.tool_calls import STRICT_JSON, offered_tool_names
 from specstand.workloads import Call
 
 _FENCE = re.compile(r"^\s*```[a-zA-Z]*\s*\n?(.*?)\n?```\s*$", re.DOTALL)
-
-
-def _not_json(constant: str) -> object:
-    raise ValueError(f"{constant} is not JSON")
-
-
-def _finite(number: str) -> float:
-    value = float(number)
-    if math.isinf(value):
-        raise ValueError(f"{number} is past a double's range")
-    return value
-
-
-def _strict_loads(text: str) -> object:
-    """JSON as the server's tool-call parser reads it (server/tool_calls.py): Python's json also takes NaN,
-    Infinity and 1e999, which no strict parser gives back as a number."""
-    return json.loads(text, parse_constant=_not_json, parse_float=_finite)
 
 
 def json_is_broken(text: str, schema: dict | None) -> bool:
@@ -43,7 +25,7 @@ def json_is_broken(text: str, schema: dict | None) -> bool:
     does not validate against its schema."""
     match = _FENCE.match(text)
     try:
-        value = _strict_loads(match.group(1) if match else text)
+        value = STRICT_JSON.decode(match.group(1) if match else text)  # as the server reads a tool call
     except (ValueError, RecursionError):  # not JSON, nested past Python's stack, or a number too long to read
         return True
     if schema:
@@ -58,7 +40,7 @@ def tool_call_is_broken(tool_call: dict, offered: frozenset[str]) -> bool:
     if tool_call.get("name") not in offered or not isinstance(tool_call.get("arguments"), str):
         return True
     try:
-        return not isinstance(_strict_loads(tool_call["arguments"]), dict)
+        return not isinstance(STRICT_JSON.decode(tool_call["arguments"]), dict)
     except (ValueError, RecursionError):
         return True
 

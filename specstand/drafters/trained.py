@@ -48,6 +48,14 @@ def drafter_state(model: nn.Module) -> dict[str, torch.Tensor]:
     return {k: v for k, v in model.state_dict().items() if not k.startswith("target.")}
 
 
+def load_own_weights(model: nn.Module, tensors: dict[str, torch.Tensor]) -> str:
+    """Loads the drafter's own tensors (drafter_state's) into `model`; what did not match, "" where all did (a
+    tensor it lacks, or one the file lacks: a layer would be left as initialized)."""
+    missing, unexpected = model.load_state_dict(tensors, strict=False)
+    missing = [k for k in missing if not k.startswith("target.")]  # the borrowed target parts are not saved
+    return f"missing {missing[:3]}, unexpected {unexpected[:3]}" if missing or unexpected else ""
+
+
 def save_drafter(model: ChainModel | DFlashModel, folder: Path) -> None:
     save_tensors(model.spec, drafter_state(model), folder)
 
@@ -102,11 +110,9 @@ def load_drafter_model(folder: Path, embed_tokens: torch.Tensor, lm_head: torch.
             f"{spec.hidden_size}, not {lm_head.shape[0]} x {lm_head.shape[1]}"
         )
     model = build_model(spec, TargetParts(embed_tokens, lm_head), tensors["d2t"])
-    missing, unexpected = model.load_state_dict({k: v.float() if k != "d2t" else v for k, v in tensors.items()},
-                                                strict=False)
-    missing = [k for k in missing if not k.startswith("target.")]
-    if missing or unexpected:
-        raise DrafterLoadError(f"drafter {folder} does not match its spec: missing {missing}, unexpected {unexpected}")
+    mismatch = load_own_weights(model, {k: v.float() if k != "d2t" else v for k, v in tensors.items()})
+    if mismatch:
+        raise DrafterLoadError(f"drafter {folder} does not match its spec: {mismatch}")
     return model.eval()
 
 

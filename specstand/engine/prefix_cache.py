@@ -6,8 +6,8 @@ Two places hold computed heads:
 - the store: finished requests' K/V copied out of their slot in blocks of `block` tokens, each keyed by
   a sha256 of its tokens and the block before it (vLLM's automatic prefix caching; a weak hash would let
   two heads that collide share K/V, and one user's context reach another's answer), kept in host memory
-  under a byte budget and dropped least recently used first. An agent's system prompt and tool definitions are the
-  same for every call it makes, so they outlive the slots that computed them.
+  under a byte budget and dropped least recently used first. An agent's system prompt and tool
+  definitions are the same for every call it makes, so they outlive the slots that computed them.
 
 Exactness: a position's K/V hold the same bits however they were computed (kv_cache.py), and copies keep
 them, so a head from a slot or from the store gives the rows a cold prompt would. Where prompts are

@@ -114,8 +114,7 @@ def load_model(model: str, dtype: str = "bf16", max_seq_len: int = 2048, log=pri
     except OSError as error:
         raise ModelError(f"cannot load model {model!r}: {str(error).splitlines()[0]}") from None
     except SafetensorError as error:  # a truncated or damaged weights file
-        raise ModelError(f"cannot load model {model!r}: its weights are damaged ({error}); fetch it again "
-                         f"(remove {path} first where it is a preset's folder)") from None
+        raise _damaged(model, path, "its weights are", error) from None
     kernel_path = kernels.chosen_path()[0]  # chosen once: the target and its drafters run on it
     if dtype == "auto":
         choice = auto_dtype(widest_linear(Path(path)), (Path(path) / gguf_blocks.FILE).is_file(), kernel_path)
@@ -126,8 +125,7 @@ def load_model(model: str, dtype: str = "bf16", max_seq_len: int = 2048, log=pri
     try:
         published = gguf_blocks.read(Path(path)) if weight_format == "q8_0" else None
     except SafetensorError as error:
-        raise ModelError(f"cannot load model {model!r}: {Path(path) / gguf_blocks.FILE} is damaged ({error}); "
-                         f"fetch it again (remove {path} first where it is a preset's folder)") from None
+        raise _damaged(model, path, f"{Path(path) / gguf_blocks.FILE} is", error) from None
     if published is not None:
         log(f"q8_0 weights: the GGUF's own blocks ({gguf_blocks.describe(Path(path))})")
     try:
@@ -144,6 +142,11 @@ def load_model(model: str, dtype: str = "bf16", max_seq_len: int = 2048, log=pri
         pass  # no generation_config.json
     _return_freed_heap()
     return LoadedModel(model, path, decoder, tokenizer, frozenset(stop_ids), max_positions)
+
+
+def _damaged(model: str, path: str, what: str, error: SafetensorError) -> ModelError:
+    return ModelError(f"cannot load model {model!r}: {what} damaged ({error}); fetch it again (remove {path} first "
+                      "where it is a preset's folder)")
 
 
 def _return_freed_heap() -> None:

@@ -36,7 +36,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from specstand.workloads import Call, Turn
-from specstand.workloads.format import WorkloadError, parse_turn
+from specstand.workloads.format import WorkloadError, checked_line
 
 # hop-by-hop headers (RFC 9110) and those httpx sets itself are not forwarded
 HOP_BY_HOP = {"connection", "keep-alive", "proxy-authenticate", "proxy-authorization", "te", "trailer",
@@ -177,7 +177,7 @@ class Recording:
                  for r in log.calls]
         turn = Turn(turn_id, calls, "recorded")
         try:
-            parse_turn(json.loads(turn.to_json()), f"recorded turn {turn_id}")
+            checked_line(turn, f"recorded turn {turn_id}")
         except WorkloadError as error:  # never write what `bench` would refuse to load
             print(f"specstand record: turn {turn_id} not written: {error}", flush=True)
             return

@@ -23,7 +23,7 @@ from tqdm import tqdm
 from specstand.drafters.nn import DrafterSpec, draft_vocabulary
 from specstand.drafters.registry import is_block_method
 from specstand.drafters.target_parts import TargetParts
-from specstand.drafters.trained import build_model, drafter_state, save_drafter, trained_parts
+from specstand.drafters.trained import build_model, drafter_state, load_own_weights, save_drafter, trained_parts
 from specstand.files import write_atomic, write_text_atomic
 from specstand.models import LoadedModel
 from specstand.training.config import TrainConfig
@@ -135,17 +135,6 @@ def _load_state(path: Path, config: TrainConfig, data_digest: str) -> dict | Non
     return state
 
 
-def _load_weights(model: torch.nn.Module, weights: dict, path: Path) -> None:
-    """The saved drafter weights into `model`: every one of its own tensors (the borrowed target parts are not
-    saved), nothing else. A state from a version whose drafter had other layers is refused, not resumed with
-    some layers left as initialized."""
-    missing, unexpected = model.load_state_dict(weights, strict=False)
-    missing = [k for k in missing if not k.startswith("target.")]
-    if missing or unexpected:
-        raise ValueError(f"cannot resume from {path}: its drafter weights do not match this drafter (missing "
-                         f"{missing[:3]}, unexpected {unexpected[:3]}); use another --out")
-
-
 class _Objective(torch.nn.Module):
     """The method's loss on a pack as a module's forward, so DistributedDataParallel can wrap it: returns
     (loss, per-position q or None, accepted per position)."""
@@ -235,7 +224,10 @@ def train(
     run = _Run(config, out, meta, rows, spec, model, optimizer, world,
                running_q=torch.zeros(max(getattr(model, "num_drafts", 1), 1)), data_digest=data_digest)
     if state is not None:
-        _load_weights(model, state["model"], out / TRAINER_STATE)
+        mismatch = load_own_weights(model, state["model"])  # another version's layers: refused, not half-loaded
+        if mismatch:
+            raise ValueError(f"cannot resume from {out / TRAINER_STATE}: its drafter weights do not match this "
+                             f"drafter ({mismatch}); use another --out")
         optimizer.load_state_dict(state["optimizer"])
         run.start, run.running_q, run.elapsed = state["step"], state["running_q"], state["elapsed_s"]
         log(f"resuming {spec.method} from step {run.start} of {config.steps} ({out / TRAINER_STATE})")

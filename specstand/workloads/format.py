@@ -188,10 +188,24 @@ def _no_constant(name: str) -> float:
     raise ValueError(f"{name} is not JSON")
 
 
-def _read_line(line: str) -> object:
-    """A line's JSON, strictly: Python reads NaN, Infinity and 1e999, and an infinite delay_ms would hang the
-    replay."""
-    return json.loads(line, parse_constant=_no_constant, parse_float=_finite_number)
+def _parse_line(line: str, where: str) -> Turn:
+    """A workload line's turn. Its JSON is read strictly: Python reads NaN, Infinity and 1e999, and an infinite
+    delay_ms would hang the replay."""
+    try:
+        data = json.loads(line, parse_constant=_no_constant, parse_float=_finite_number)
+    except json.JSONDecodeError as error:
+        raise WorkloadError(f"{where}: not valid JSON ({error.msg})") from None
+    except (ValueError, RecursionError) as error:
+        raise WorkloadError(f"{where}: not valid JSON ({error})") from None
+    return parse_turn(data, where)
+
+
+def checked_line(turn: Turn, where: str) -> str:
+    """The turn's workload line, read back as load_workload reads it: a WorkloadError for a turn it would refuse,
+    so that nothing is written that the bench cannot load."""
+    line = turn.to_json()
+    _parse_line(line, where)
+    return line
 
 
 def _check_graph(turn: Turn, where: str) -> None:
@@ -224,18 +238,7 @@ def load_workload(path: str | Path) -> list[Turn]:
         raise WorkloadError(f"cannot read workload {path}: {error.strerror}") from None
     except UnicodeDecodeError:
         raise WorkloadError(f"workload {path} is not UTF-8 text") from None
-    turns = []
-    for number, line in enumerate(lines, start=1):
-        if not line.strip():
-            continue
-        where = f"{path}:{number}"
-        try:
-            data = _read_line(line)
-        except json.JSONDecodeError as error:
-            raise WorkloadError(f"{where}: not valid JSON ({error.msg})") from None
-        except (ValueError, RecursionError) as error:
-            raise WorkloadError(f"{where}: not valid JSON ({error})") from None
-        turns.append(parse_turn(data, where))
+    turns = [_parse_line(line, f"{path}:{number}") for number, line in enumerate(lines, start=1) if line.strip()]
     if not turns:
         raise WorkloadError(f"workload {path} holds no turns")
     _check_unique_ids(turns, str(path))
@@ -254,9 +257,7 @@ def save_workload(turns: list[Turn], path: str | Path) -> None:
     """Write atomically: a crash never leaves a half-written workload under the final name. Each turn is first
     read back as load_workload will read it, so nothing is written that the bench would refuse."""
     path = Path(path)
-    lines = [turn.to_json() for turn in turns]
-    for number, line in enumerate(lines, start=1):
-        parse_turn(_read_line(line), f"{path}: turn {number}")
+    lines = [checked_line(turn, f"{path}: turn {number}") for number, turn in enumerate(turns, start=1)]
     _check_unique_ids(turns, str(path))
     path.parent.mkdir(parents=True, exist_ok=True)
     write_text_atomic(path, "".join(line + "\n" for line in lines))
